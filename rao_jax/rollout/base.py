@@ -1,0 +1,93 @@
+"""The rollout interface: token ids in, token ids + logprobs out.
+
+The agent runtime talks to every engine (embedded JAX, SGLang over HTTP) through `Engine`.
+It never re-tokenizes a history: a request carries the exact prompt ids, so what the model
+saw and what the learner trains on are the same tokens.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Sequence
+
+
+class FinishReason(str, enum.Enum):
+  STOP = "stop"            # a stop token was generated (it is included in `token_ids`)
+  LENGTH = "length"        # max_new_tokens reached
+  CONTEXT = "context"      # the session's context-window limit was reached
+  ABORT = "abort"          # aborted (by the caller, a weight update policy, or a dead server)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Sampling parameters. temperature 0 means greedy."""
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = -1               # -1: the whole vocabulary
+  max_new_tokens: int = 128
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int | None = None
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy).")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1].")
+    if self.top_k == 0 or self.top_k < -1:
+      raise ValueError(f"SamplingParams.top_k={self.top_k!r}: use -1 for all tokens or a positive int.")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be >= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+  """One generation request.
+
+  Attributes:
+    prompt_ids: the full token sequence to continue. With a session, it must start with the
+      session's previous prompt + output (the engine then prefills only the new suffix).
+    params: sampling parameters.
+    session_id: optional; lets an engine keep this conversation's KV cache between turns.
+    context_limit: optional cap on prompt + generated tokens (the agent's context window);
+      generation stops with FinishReason.CONTEXT when it is reached.
+    rid: optional request id (for aborts).
+  """
+  prompt_ids: Sequence[int]
+  params: SamplingParams = SamplingParams()
+  session_id: str | None = None
+  context_limit: int | None = None
+  rid: str | None = None
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  token_ids: list[int]          # generated ids (the stop token included when one matched)
+  logprobs: list[float]         # float32 log_softmax(logits / temperature) of each generated id
+  finish_reason: FinishReason
+  weight_version: int | str
+  prompt_len: int = 0
+  cached_tokens: int = 0        # prompt tokens served from a kept session cache
+  message: str = ""             # details for aborts / errors
+
+
+class Engine(abc.ABC):
+  """Async generation engine. Safe to call from many coroutines at once."""
+
+  @abc.abstractmethod
+  async def generate(self, request: GenerateRequest) -> GenerateResult:
+    ...
+
+  async def end_session(self, session_id: str) -> None:
+    """Frees a session's cache; the default engine keeps none."""
+
+  async def abort(self, rid: str) -> None:
+    """Aborts an in-flight request; it returns with FinishReason.ABORT."""
+
+  @property
+  @abc.abstractmethod
+  def weight_version(self) -> int | str:
+    ...
+
+  async def close(self) -> None:
+    """Releases resources."""

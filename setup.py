@@ -1,0 +1,43 @@
+"""rao_jax: Recursive Agent Optimization in JAX. See README.md and BUILD.md."""
+from setuptools import find_packages, setup
+
+setup(
+    name="rao_jax",
+    version="0.1.0",
+    description="Recursive Agent Optimization (RAO): RL for recursive LLM agents, in JAX",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rao_jax", "rao_jax.*", "experiments", "experiments.*"]),
+    package_data={"rao_jax": ["envs/data/**/*", "envs/data/*"]},
+    include_package_data=True,
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.90",
+        "absl-py>=2.1",
+        "ml_collections>=1.0",
+        "numpy>=1.26",
+        "transformers>=4.50",
+        "tokenizers>=0.21",
+        "gguf>=0.16",
+        "safetensors>=0.5",
+        "aiohttp>=3.10",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "tensorboardX>=2.6",
+        "bm25s>=0.2",
+        "pyseccomp>=0.1.2",
+    ],
+    extras_require={
+        # Tests, benchmarks and the PyTorch peer that parity tests and benchmarks compare against.
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "torch==2.13.0",
+            "accelerate>=1.0",
+        ],
+        # The SGLang rollout server for GPU nodes; a CPU machine never needs it.
+        "sglang": ["sglang[all]==0.5.5"],
+    },
+)
