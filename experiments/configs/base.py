@@ -1,0 +1,105 @@
+"""Defaults shared by every experiment config. Each field says its unit or meaning.
+
+Experiment files (`textcraft_synth.py`, ...) call `base_config()` and change what differs, so
+tests that derive their configs from these files exercise what users run.
+"""
+from ml_collections import config_dict
+
+
+def parse_arg(arg: str | None) -> dict[str, str]:
+  """Parses a config argument such as "recursive,ctx=8192,smoke" into a dict.
+
+  Bare words become {word: "1"}; `key=value` pairs are kept as strings.
+  """
+  out = {}
+  for part in (arg or "").split(","):
+    part = part.strip()
+    if not part:
+      continue
+    key, _, value = part.partition("=")
+    out[key.strip()] = value.strip() if value else "1"
+  return out
+
+
+def base_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+  c.seed = 0                         # root seed: task sampling, sampling RNG, init
+  c.total_steps = 100                # RL steps (one learner update per step)
+
+  c.model = config_dict.ConfigDict()
+  c.model.name = "smollm2-135m"      # registry name, GGUF file, or HF checkpoint folder
+  c.model.dtype = "auto"             # "auto": float32 on CPU, bfloat16 on GPU/TPU
+
+  c.env = config_dict.ConfigDict()
+  c.env.name = "textcraft_synth"     # textcraft | textcraft_synth | longcontext | search
+  c.env.train_difficulty = "medium"  # difficulty of training tasks
+  c.env.eval_difficulties = ("medium", "hard")   # held-out evaluation sets
+  c.env.train_seed = 1               # task generator seed for training tasks
+  c.env.eval_seed = 2               # a different seed: held-out tasks never seen in training
+  c.env.kwargs = config_dict.ConfigDict()        # environment-specific options
+
+  c.agent = config_dict.ConfigDict()
+  c.agent.mode = "recursive"         # "recursive" (launch_subagent) | "single" (baseline)
+  c.agent.context_window = 8192      # tokens per agent (prompt + generated + observations)
+  c.agent.max_depth = 4              # recursion depth limit (root = 0)
+  c.agent.max_steps_per_agent = 10   # REPL turns per agent
+  c.agent.tree_step_budget = 200     # REPL turns per tree, children reserve from it
+  c.agent.max_live_agents = 16       # concurrent agents per tree
+  c.agent.max_new_tokens = 512       # tokens per generated turn
+  c.agent.temperature = 1.0          # rollout sampling temperature (learner uses the same)
+  c.agent.top_p = 1.0
+  c.agent.eval_temperature = 0.0     # greedy evaluation
+
+  c.rl = config_dict.ConfigDict()
+  c.rl.group_size = 8                # K trees per task (leave-one-out baseline needs K >= 2)
+  c.rl.tasks_per_step = 4            # root tasks per RL step
+  c.rl.lam = 0.5                     # delegation bonus lambda of RAO_SPEC
+  c.rl.loss = "rao"                  # rao | token_sum | ppo_clip | cispo
+  c.rl.clip_eps = 0.2                # ppo_clip epsilon / cispo eps_high
+  c.rl.kl_coef = 0.0                 # KL penalty to the initial policy (0 = off)
+  c.rl.overlap = False               # overlap next step's rollouts with this update (1 off-policy)
+  c.rl.max_staleness = 1             # with overlap: max weight versions a sample may lag
+
+  c.optim = config_dict.ConfigDict()
+  c.optim.lr = 1e-5                  # peak AdamW learning rate
+  c.optim.warmup_steps = 5           # linear warm-up steps
+  c.optim.weight_decay = 0.0
+  c.optim.grad_clip = 1.0            # global-norm clip
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+
+  c.learner = config_dict.ConfigDict()
+  c.learner.row_len = 2048           # tokens per packed row
+  c.learner.micro_batch_rows = 4     # rows per micro-batch (gradient accumulation over them)
+  c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
+
+  c.rollout = config_dict.ConfigDict()
+  c.rollout.engine = "embedded"      # embedded | sglang
+  c.rollout.urls = ()                # SGLang worker URLs (engine=sglang)
+  c.rollout.num_slots = 32           # embedded engine: concurrent sequences
+  c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
+
+  c.sandbox = config_dict.ConfigDict()
+  c.sandbox.isolation = "bwrap"      # bwrap | process (weaker, only when asked for)
+  c.sandbox.pool_size = 16           # pre-started sandboxes
+  c.sandbox.cell_timeout_s = 30.0    # wall-clock per REPL cell
+
+  c.ckpt = config_dict.ConfigDict()
+  c.ckpt.every = 10                  # save every N steps (and at the end, and on SIGTERM)
+  c.ckpt.keep = 3                    # checkpoints kept
+  c.ckpt.init_from = ""              # a checkpoint dir to start from (e.g. an SFT run)
+
+  c.eval = config_dict.ConfigDict()
+  c.eval.every = 25                  # evaluate every N steps (and at the end)
+  c.eval.num_tasks = 16              # held-out tasks per difficulty
+  c.eval.num_html_trees = 4          # trees rendered to HTML at each evaluation
+
+  c.log = config_dict.ConfigDict()
+  c.log.tensorboard = True
+  c.log.progress = True              # progress bar on stderr
+
+  c.sft = config_dict.ConfigDict()
+  c.sft.steps = 100                  # supervised steps
+  c.sft.num_demos = 256              # demonstration trees (scripted policy / gold trajectories)
+  c.sft.lr = 5e-5
+  return c

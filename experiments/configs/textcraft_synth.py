@@ -1,0 +1,50 @@
+"""TextCraft-Synth: the paper's grid (single vs. recursive x context 4K/8K/40K x train medium/hard).
+
+Usage:
+  --config=experiments/configs/textcraft_synth.py:recursive,ctx=8192,train=medium
+  --config=experiments/configs/textcraft_synth.py:single,ctx=40960,train=hard
+  --config=experiments/configs/textcraft_synth.py:recursive,smoke      # ~1 minute on CPU
+"""
+from experiments.configs import base
+
+_CONTEXTS = (4096, 8192, 40960)
+
+
+def get_config(arg: str | None = None):
+  args = base.parse_arg(arg)
+  c = base.base_config()
+  c.env.name = "textcraft_synth"
+  c.agent.mode = "single" if "single" in args else "recursive"
+  ctx = int(args.get("ctx", 8192))
+  if ctx not in _CONTEXTS and "smoke" not in args:
+    raise ValueError(f"ctx={ctx}: the paper's grid uses one of {_CONTEXTS}.")
+  c.agent.context_window = ctx
+  c.rollout.max_cache_len = ctx
+  c.env.train_difficulty = args.get("train", "medium")
+  c.env.eval_difficulties = ("medium", "hard")
+  c.agent.tree_step_budget = 200          # the paper's per-task budget
+  if "smoke" in args:
+    _smoke(c)
+  return c
+
+
+def _smoke(c):
+  """A laptop-CPU variant that exercises every stage in about a minute."""
+  c.total_steps = 2
+  c.env.train_difficulty = "easy"
+  c.env.eval_difficulties = ("easy",)
+  c.agent.context_window = min(c.agent.context_window, 2048)
+  c.rollout.max_cache_len = c.agent.context_window
+  c.agent.max_new_tokens = 96
+  c.agent.max_steps_per_agent = 3
+  c.agent.max_depth = 2
+  c.rl.group_size = 2
+  c.rl.tasks_per_step = 2
+  c.learner.row_len = 2048
+  c.learner.micro_batch_rows = 2
+  c.rollout.num_slots = 8
+  c.sandbox.pool_size = 4
+  c.ckpt.every = 1
+  c.eval.every = 2
+  c.eval.num_tasks = 2
+  c.eval.num_html_trees = 2
