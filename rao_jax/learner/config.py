@@ -1,0 +1,142 @@
+"""LearnerConfig: the validated, frozen description of the learner (loss, optimizer, shapes)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _bad(field: str, value: Any, fix: str) -> ValueError:
+  return ValueError(f"LearnerConfig.{field}={value!r} is invalid: {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Everything the learner needs besides the model config.
+
+  Attributes:
+    loss: registered loss name (`rao_jax.learner.losses.LOSSES`): "rao" (RAO_SPEC per-node
+      token mean, the default), "token_sum" (constant normalizer), "ppo_clip", "cispo".
+    lam: delegation bonus lambda >= 0 (RAO_SPEC), used by `Learner.prepare`.
+    clip_eps: PPO clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].
+    cispo_ratio_max: CISPO clips the importance ratio to [0, cispo_ratio_max] (absolute bound;
+      the RAO authors' code uses 5.0).
+    kl_coef: weight of a k3 KL penalty to the reference policy (the initial parameters);
+      0 turns it off and keeps no reference copy.
+    token_sum_normalizer: the constant C of the "token_sum" loss, in tokens.
+    temperature: the rollout sampling temperature; logprobs are taken under softmax(logits / T).
+    lr: peak learning rate of AdamW.
+    warmup_steps: linear warm-up steps from 0 to `lr`.
+    schedule: after warm-up: "constant", "cosine" (to `lr * final_lr_frac` at `total_steps`)
+      or "linear" (likewise).
+    total_steps: steps of the schedule (cosine/linear decay horizon).
+    final_lr_frac: final learning rate as a fraction of `lr` for cosine/linear.
+    weight_decay: AdamW decoupled weight decay.
+    b1, b2, eps: AdamW moments and epsilon.
+    grad_clip: global-norm gradient clipping threshold (0 = off).
+    row_len: T, tokens per packed row.
+    micro_batch_rows: rows per micro-batch; a batch of B rows runs B / micro_batch_rows
+      micro-batches with gradient accumulation (lax.scan).
+    bucket_rows: the fixed set of row counts a packed batch is padded to; each compiles once.
+      Every entry must be a multiple of `micro_batch_rows`.
+    seed: seed of parameter init (when no params are given) and of the step RNG.
+    ckpt_dir: Orbax checkpoint directory ("" = no checkpoints).
+    ckpt_every: save every N steps (`Learner.maybe_save`); the trainer also saves at the end.
+    ckpt_keep: checkpoints kept (older ones are deleted).
+    ckpt_async: save in a background thread (the step goes on while the files are written).
+  """
+  loss: str = "rao"
+  lam: float = 0.5
+  clip_eps: float = 0.2
+  cispo_ratio_max: float = 5.0
+  kl_coef: float = 0.0
+  token_sum_normalizer: float = 1024.0
+  temperature: float = 1.0
+  lr: float = 1e-5
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  total_steps: int = 1000
+  final_lr_frac: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+  row_len: int = 2048
+  micro_batch_rows: int = 4
+  bucket_rows: tuple[int, ...] = (4, 8, 16, 32, 64)
+  seed: int = 0
+  ckpt_dir: str = ""
+  ckpt_every: int = 10
+  ckpt_keep: int = 3
+  ckpt_async: bool = True
+
+  def __post_init__(self):
+    from rao_jax.learner import losses  # local: losses imports jax, config stays light
+    if self.loss not in losses.LOSSES:
+      raise _bad("loss", self.loss, f"choose one of {sorted(losses.LOSSES)}.")
+    for name in ("lam", "kl_coef", "weight_decay", "grad_clip"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        raise _bad(name, v, "must be a finite number >= 0.")
+    if not 0 < self.clip_eps < 1:
+      raise _bad("clip_eps", self.clip_eps, "must be in (0, 1), e.g. 0.2.")
+    if not self.cispo_ratio_max > 0:
+      raise _bad("cispo_ratio_max", self.cispo_ratio_max, "must be > 0 (the authors use 5.0).")
+    if not self.token_sum_normalizer > 0:
+      raise _bad("token_sum_normalizer", self.token_sum_normalizer,
+                 "must be > 0 (e.g. the longest trajectory length in tokens).")
+    if not self.temperature > 0:
+      raise _bad("temperature", self.temperature,
+                 "must be > 0 and equal the rollout sampling temperature.")
+    if not (self.lr > 0 and math.isfinite(self.lr)):
+      raise _bad("lr", self.lr, "must be a finite number > 0.")
+    if self.schedule not in _SCHEDULES:
+      raise _bad("schedule", self.schedule, f"choose one of {_SCHEDULES}.")
+    if self.warmup_steps < 0:
+      raise _bad("warmup_steps", self.warmup_steps, "must be >= 0.")
+    if self.total_steps < 1:
+      raise _bad("total_steps", self.total_steps, "must be >= 1.")
+    if not 0 <= self.final_lr_frac <= 1:
+      raise _bad("final_lr_frac", self.final_lr_frac, "must be in [0, 1].")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+      raise _bad("b1/b2", (self.b1, self.b2), "AdamW moments must be in [0, 1).")
+    if not self.eps > 0:
+      raise _bad("eps", self.eps, "must be > 0.")
+    if self.row_len < 2:
+      raise _bad("row_len", self.row_len, "a row needs at least 2 tokens (input and target).")
+    if self.micro_batch_rows < 1:
+      raise _bad("micro_batch_rows", self.micro_batch_rows, "must be >= 1.")
+    buckets = tuple(int(b) for b in self.bucket_rows)
+    object.__setattr__(self, "bucket_rows", buckets)
+    if not buckets or list(buckets) != sorted(set(buckets)):
+      raise _bad("bucket_rows", self.bucket_rows,
+                 "must be a non-empty, strictly increasing tuple of row counts.")
+    for b in buckets:
+      if b < 1 or b % self.micro_batch_rows:
+        raise _bad("bucket_rows", self.bucket_rows,
+                   f"every bucket must be a positive multiple of micro_batch_rows="
+                   f"{self.micro_batch_rows} ({b} is not).")
+    if self.ckpt_every < 1:
+      raise _bad("ckpt_every", self.ckpt_every, "must be >= 1.")
+    if self.ckpt_keep < 1:
+      raise _bad("ckpt_keep", self.ckpt_keep, "must be >= 1.")
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["bucket_rows"] = list(self.bucket_rows)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "LearnerConfig":
+    """Builds a config from a (possibly larger) mapping; unknown keys raise with their names."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"LearnerConfig: unknown fields {unknown}; known: {sorted(names)}.")
+    kw = dict(d)
+    if "bucket_rows" in kw:
+      kw["bucket_rows"] = tuple(kw["bucket_rows"])
+    return cls(**kw)

@@ -1,0 +1,227 @@
+"""RAO rewards, leave-one-out advantages and depth-level inverse-frequency weights (numpy).
+
+Implements RAO_SPEC exactly:
+
+  s(v)  success from the first available source: verifier, judge, else the proxy s(root).
+  R(v)  = s(v) + lambda * mean_{c in C(v)} s(c)   (= s(v) for a leaf)
+  b_k   = (1 / (K - 1)) * sum_{j != k} R(r_j)     over the K trees of one group
+  A(v)  = R(v) - b_k                              for every node of tree k
+  w_d   = N / (D' * n_d)                          over the whole learner batch
+
+Host-side only: trees are Python records, the result is numpy arrays aligned with the flat node
+order (tree order, then node order inside each tree, root first) that `pack_trees` consumes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+SOURCES = ("verifier", "judge", "proxy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+  """Per-node RAO quantities for a learner batch, in flat node order.
+
+  Attributes:
+    tree_ids: tree id of each node (length N).
+    node_ids: node id of each node (length N).
+    tree_index_N: index of each node's tree in the input sequence.
+    depth_N: d(v).
+    success_N: resolved s(v) (proxy filled in).
+    source_N: the source that produced s(v): "verifier" | "judge" | "proxy".
+    reward_N: R(v).
+    baseline_N: b_k of the node's tree.
+    advantage_N: A(v) = R(v) - b_k.
+    weight_N: w_{d(v)}.
+    stats: flat dict of logging scalars (see `compute_rewards_and_advantages`).
+  """
+  tree_ids: tuple[str, ...]
+  node_ids: tuple[str, ...]
+  tree_index_N: np.ndarray
+  depth_N: np.ndarray
+  success_N: np.ndarray
+  source_N: tuple[str, ...]
+  reward_N: np.ndarray
+  baseline_N: np.ndarray
+  advantage_N: np.ndarray
+  weight_N: np.ndarray
+  stats: dict[str, float]
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.node_ids)
+
+  @property
+  def weighted_advantage_N(self) -> np.ndarray:
+    """w_{d(v)} * A(v): the per-node scale of the policy-gradient term."""
+    return self.weight_N * self.advantage_N
+
+  def index(self, tree_id: str, node_id: str) -> int:
+    """Flat index of node `node_id` of tree `tree_id`."""
+    for i, (t, n) in enumerate(zip(self.tree_ids, self.node_ids)):
+      if t == tree_id and n == node_id:
+        return i
+    raise KeyError(f"Advantages: no node {node_id!r} in tree {tree_id!r}.")
+
+
+def _check_success(value: Any, where: str) -> float:
+  try:
+    s = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{where}: success={value!r} is not a number; expected s(v) in [0, 1] or "
+                     "None (then the root's success is used as the proxy).") from None
+  if not math.isfinite(s) or not 0.0 <= s <= 1.0:
+    raise ValueError(f"{where}: success={value!r} is outside [0, 1]; the environment's verifier "
+                     "or judge must return a score in [0, 1].")
+  return s
+
+
+def _resolve_tree(tree) -> tuple[list[float], list[str], list[float], list[int]]:
+  """Resolved successes, sources, rewards (without lambda yet) and depths of one tree."""
+  nodes = list(tree.nodes)
+  if not nodes:
+    raise ValueError(f"Tree {tree.tree_id!r} has no nodes; a tree needs at least its root.")
+  root = nodes[0]
+  if root.parent_id is not None or int(root.depth) != 0:
+    raise ValueError(f"Tree {tree.tree_id!r}: the first node ({root.node_id!r}) must be the root "
+                     f"(parent_id None, depth 0), got parent_id={root.parent_id!r}, "
+                     f"depth={root.depth!r}.")
+  if root.success is None:
+    raise ValueError(
+        f"Tree {tree.tree_id!r}: the root node {root.node_id!r} has success None; the root's "
+        "success is the proxy for every unscored node, so the environment's verifier (or the "
+        "judge) must score the root before the learner sees the tree.")
+  root_s = _check_success(root.success, f"Tree {tree.tree_id!r} node {root.node_id!r}")
+  succ, src, depth = [], [], []
+  for node in nodes:
+    where = f"Tree {tree.tree_id!r} node {node.node_id!r}"
+    if node.success is None:
+      succ.append(root_s)
+      src.append("proxy")
+    else:
+      succ.append(_check_success(node.success, where))
+      source = node.success_source or "verifier"
+      if source not in SOURCES:
+        raise ValueError(f"{where}: success_source={source!r}, expected one of {SOURCES}.")
+      src.append(source)
+    depth.append(int(node.depth))
+  return succ, src, depth, root_s
+
+
+def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Advantages:
+  """Computes R(v), the leave-one-out advantage A(v) and depth weights w_d for a batch of trees.
+
+  Args:
+    trees: TreeRecord-like objects (attributes tree_id, group_id, nodes; each node has node_id,
+      parent_id, depth, children, success, success_source). The K trees of one root task share
+      group_id; every group needs K >= 2.
+    lam: the delegation bonus lambda >= 0 of RAO_SPEC.
+
+  Returns:
+    Advantages, whose `stats` holds (flat keys, float values): `num_trees`, `num_groups`,
+    `num_nodes`, `nodes/depth_d`, `reward/depth_d`, `success/depth_d`, `weight/depth_d`,
+    `source_frac/<source>`, `groups_all_equal` and `groups_all_equal_frac` (groups whose root
+    rewards are all equal: every advantage in them is R(v) - R(root), zero at the roots),
+    `root_reward_mean`, `advantage_abs_mean`, `max_depth`.
+
+  Raises:
+    ValueError: a group with fewer than 2 trees, a success outside [0, 1], an unscored root,
+      an unknown success source, a child id missing from its tree, or lam < 0.
+  """
+  if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
+    raise ValueError(f"lam={lam!r}: the delegation bonus lambda must be a finite number >= 0 "
+                     "(RAO_SPEC uses 0.5).")
+  trees = list(trees)
+  if not trees:
+    raise ValueError("compute_rewards_and_advantages got no trees; a learner batch needs at least "
+                     "one group of K >= 2 trees.")
+
+  tree_ids, node_ids, tree_index, depths, succs, sources, rewards = [], [], [], [], [], [], []
+  root_reward = []
+  seen_tree_ids = set()
+  for k, tree in enumerate(trees):
+    if tree.tree_id in seen_tree_ids:
+      raise ValueError(f"Tree id {tree.tree_id!r} appears twice in the batch; tree ids must be "
+                       "unique (each sampled tree once).")
+    seen_tree_ids.add(tree.tree_id)
+    succ, src, depth, _ = _resolve_tree(tree)
+    index_of = {node.node_id: i for i, node in enumerate(tree.nodes)}
+    if len(index_of) != len(tree.nodes):
+      raise ValueError(f"Tree {tree.tree_id!r} has duplicate node ids.")
+    for i, node in enumerate(tree.nodes):
+      kids = list(node.children or ())
+      for c in kids:
+        if c not in index_of:
+          raise ValueError(f"Tree {tree.tree_id!r} node {node.node_id!r} lists child {c!r}, "
+                           "which is not a node of the tree; the record is incomplete.")
+      # The delegation bonus uses the children's resolved successes (proxy filled in).
+      bonus = lam * float(np.mean([succ[index_of[c]] for c in kids])) if kids else 0.0
+      rewards.append(succ[i] + bonus)
+      tree_ids.append(tree.tree_id)
+      node_ids.append(node.node_id)
+      tree_index.append(k)
+    root_reward.append(rewards[len(rewards) - len(tree.nodes)])
+    depths.extend(depth)
+    succs.extend(succ)
+    sources.extend(src)
+
+  # Leave-one-out baseline from the ROOT rewards of the other trees of the same group.
+  groups: dict[Any, list[int]] = collections.OrderedDict()
+  for k, tree in enumerate(trees):
+    groups.setdefault(tree.group_id, []).append(k)
+  baseline_tree = np.zeros(len(trees))
+  groups_all_equal = 0
+  for gid, members in groups.items():
+    if len(members) < 2:
+      raise ValueError(
+          f"Group {gid!r} has {len(members)} tree(s); the leave-one-out baseline needs K >= 2 "
+          "trees per root task. Fix: set the group size (config rl.group_size) to >= 2 and keep "
+          "all K trees of a task in the same learner batch.")
+    roots = np.array([root_reward[k] for k in members])
+    total = roots.sum()
+    for k, r in zip(members, roots):
+      baseline_tree[k] = (total - r) / (len(members) - 1)
+    if np.all(roots == roots[0]):
+      groups_all_equal += 1
+
+  tree_index_N = np.asarray(tree_index, np.int32)
+  depth_N = np.asarray(depths, np.int32)
+  reward_N = np.asarray(rewards, np.float64)
+  baseline_N = baseline_tree[tree_index_N]
+  advantage_N = reward_N - baseline_N
+
+  # Depth-level inverse-frequency weights over the whole batch: w_d = N / (D' * n_d).
+  n = len(depth_N)
+  levels, counts = np.unique(depth_N, return_counts=True)
+  w_of_depth = {int(d): n / (len(levels) * c) for d, c in zip(levels, counts)}
+  weight_N = np.asarray([w_of_depth[int(d)] for d in depth_N], np.float64)
+  success_N = np.asarray(succs, np.float64)
+
+  stats: dict[str, float] = {
+      "num_trees": float(len(trees)),
+      "num_groups": float(len(groups)),
+      "num_nodes": float(n),
+      "max_depth": float(depth_N.max()),
+      "groups_all_equal": float(groups_all_equal),
+      "groups_all_equal_frac": groups_all_equal / len(groups),
+      "root_reward_mean": float(np.mean(root_reward)),
+      "advantage_abs_mean": float(np.mean(np.abs(advantage_N))),
+  }
+  for d, c in zip(levels, counts):
+    sel = depth_N == d
+    stats[f"nodes/depth_{d}"] = float(c)
+    stats[f"reward/depth_{d}"] = float(reward_N[sel].mean())
+    stats[f"success/depth_{d}"] = float(success_N[sel].mean())
+    stats[f"weight/depth_{d}"] = float(w_of_depth[int(d)])
+  for s in SOURCES:
+    stats[f"source_frac/{s}"] = sum(1 for x in sources if x == s) / n
+
+  return Advantages(
+      tree_ids=tuple(tree_ids), node_ids=tuple(node_ids), tree_index_N=tree_index_N,
+      depth_N=depth_N, success_N=success_N, source_N=tuple(sources), reward_N=reward_N,
+      baseline_N=baseline_N, advantage_N=advantage_N, weight_N=weight_N, stats=stats)

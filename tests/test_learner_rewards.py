@@ -1,0 +1,148 @@
+"""RAO rewards, leave-one-out advantages, depth weights and packing (host side, numpy)."""
+import numpy as np
+import pytest
+
+from rao_jax.learner import compute_rewards_and_advantages, pack_trees
+from rao_jax.learner.testing import make_node, make_tree, synthetic_trees, worked_example_trees
+
+# RAO_SPEC worked example table, rows r1, a, b, a1, r2 (flat node order of the two trees).
+SPEC_R = [1.25, 1.5, 0.0, 1.0, 0.0]
+SPEC_B = [0.0, 0.0, 0.0, 0.0, 1.25]
+SPEC_A = [1.25, 1.5, 0.0, 1.0, -1.25]
+SPEC_W = [0.8333, 0.8333, 0.8333, 1.6667, 0.8333]
+SPEC_WA = [1.0417, 1.25, 0.0, 1.6667, -1.0417]
+
+
+def test_worked_example_matches_spec_table():
+  adv = compute_rewards_and_advantages(worked_example_trees(), lam=0.5)
+  assert adv.node_ids == ("r1", "a", "b", "a1", "r2")
+  np.testing.assert_allclose(adv.reward_N, SPEC_R, atol=1e-12)
+  np.testing.assert_allclose(adv.baseline_N, SPEC_B, atol=1e-12)
+  np.testing.assert_allclose(adv.advantage_N, SPEC_A, atol=1e-12)
+  np.testing.assert_allclose(adv.weight_N, SPEC_W, atol=1e-4)
+  np.testing.assert_allclose(adv.weighted_advantage_N, SPEC_WA, atol=1e-4)
+  assert adv.weight_N.sum() == pytest.approx(5.0)
+  assert adv.stats["nodes/depth_0"] == 2 and adv.stats["nodes/depth_2"] == 1
+  assert adv.stats["reward/depth_1"] == pytest.approx(0.75)
+  assert adv.stats["success/depth_0"] == pytest.approx(0.5)
+  assert adv.stats["source_frac/judge"] == pytest.approx(0.2)
+  assert adv.stats["source_frac/verifier"] == pytest.approx(0.8)
+  assert adv.stats["groups_all_equal"] == 0
+
+
+def test_proxy_success_and_lambda():
+  # Child "c" is unscored: it takes s(root) = 0.5 as a proxy; the root's bonus uses it.
+  t1 = make_tree("t1", "g", [make_node("r", None, 0, ["c"], 0.5, "verifier"),
+                             make_node("c", "r", 1, [], None)])
+  t2 = make_tree("t2", "g", [make_node("r", None, 0, [], 0.0, "verifier")])
+  t3 = make_tree("t3", "g", [make_node("r", None, 0, [], 1.0, "judge")])
+  adv = compute_rewards_and_advantages([t1, t2, t3], lam=2.0)
+  assert adv.source_N == ("verifier", "proxy", "verifier", "judge")
+  np.testing.assert_allclose(adv.success_N, [0.5, 0.5, 0.0, 1.0])
+  np.testing.assert_allclose(adv.reward_N, [0.5 + 2.0 * 0.5, 0.5, 0.0, 1.0])
+  # LOO baselines over root rewards (1.5, 0, 1): tree k gets the mean of the other two.
+  np.testing.assert_allclose(adv.baseline_N, [0.5, 0.5, 1.25, 0.75])
+  # Depths: n0 = 3, n1 = 1, N = 4, D' = 2 -> w0 = 4/6, w1 = 2.
+  np.testing.assert_allclose(adv.weight_N, [2 / 3, 2.0, 2 / 3, 2 / 3])
+  assert adv.stats["source_frac/proxy"] == pytest.approx(0.25)
+
+
+def test_all_equal_groups_are_counted():
+  trees = [make_tree(f"{g}t{k}", g, [make_node("r", None, 0, [], s)])
+           for g, s in (("g1", 1.0), ("g2", 0.0)) for k in range(2)]
+  trees.append(make_tree("t9", "g2", [make_node("r", None, 0, [], 1.0)]))
+  adv = compute_rewards_and_advantages(trees)
+  assert adv.stats["groups_all_equal"] == 1 and adv.stats["num_groups"] == 2
+  np.testing.assert_allclose(adv.advantage_N[:2], 0.0)
+
+
+def test_group_of_one_is_a_clear_error():
+  trees = [make_tree("t1", "lonely", [make_node("r", None, 0, [], 1.0)])]
+  with pytest.raises(ValueError, match=r"lonely.*K >= 2.*group.size"):
+    compute_rewards_and_advantages(trees)
+
+
+@pytest.mark.parametrize("bad", [1.5, float("nan"), -0.1])
+def test_bad_success_is_rejected(bad):
+  trees = [make_tree(f"t{k}", "g", [make_node("r", None, 0, [], 1.0 if k else bad)])
+           for k in range(2)]
+  with pytest.raises(ValueError, match="success"):
+    compute_rewards_and_advantages(trees)
+
+
+def test_unscored_root_and_negative_lambda_are_errors():
+  trees = [make_tree(f"t{k}", "g", [make_node("r", None, 0, [], None if k else 1.0)])
+           for k in range(2)]
+  with pytest.raises(ValueError, match="root"):
+    compute_rewards_and_advantages(trees)
+  with pytest.raises(ValueError, match="lam"):
+    compute_rewards_and_advantages(worked_example_trees(), lam=-1.0)
+
+
+def test_packing_layout_shift_and_coefficients():
+  trees = worked_example_trees()
+  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  batch = pack_trees(trees, adv, row_len=16, bucket_rows=(2, 4, 8))
+  assert batch.shape == (4, 16)   # 35 tokens -> 3 rows, padded to the bucket of 4
+  nodes = [n for t in trees for n in t.nodes]
+  total_gen = 0
+  for p in batch.placements:
+    node = nodes[p.node_index]
+    sl = slice(p.start, p.start + p.length)
+    np.testing.assert_array_equal(batch.tokens_BxT[p.row, sl], node.token_ids)
+    np.testing.assert_array_equal(batch.positions_BxT[p.row, sl], np.arange(p.length))
+    seg = batch.segment_ids_BxT[p.row, sl]
+    assert seg.min() == seg.max() >= 1
+    pred = slice(p.start, p.start + p.length - 1)
+    np.testing.assert_array_equal(batch.targets_BxT[p.row, pred], node.token_ids[1:])
+    np.testing.assert_array_equal(batch.loss_mask_BxT[p.row, pred], np.array(node.gen_mask[1:]) > 0)
+    assert not batch.loss_mask_BxT[p.row, p.start + p.length - 1]
+    m = sum(node.gen_mask[1:])
+    total_gen += m
+    coef = batch.coef_BxT[p.row, pred][np.array(node.gen_mask[1:]) > 0]
+    np.testing.assert_allclose(coef, SPEC_WA[p.node_index] / m, atol=1e-4 / m)
+    np.testing.assert_allclose(batch.rollout_logp_BxT[p.row, pred],
+                               np.array(node.logprobs[1:], np.float32))
+  assert batch.loss_mask_BxT.sum() == total_gen
+  assert batch.normalizer == 5.0
+  assert batch.stats["packing_efficiency"] == pytest.approx(35 / 64)
+  # Padding is segment 0 and never in the loss.
+  assert not batch.loss_mask_BxT[batch.segment_ids_BxT == 0].any()
+
+
+def test_token_sum_coefficients_and_normalizer():
+  trees = worked_example_trees()
+  adv = compute_rewards_and_advantages(trees)
+  batch = pack_trees(trees, adv, row_len=16, bucket_rows=(4,), loss="token_sum",
+                     token_sum_normalizer=100.0)
+  for p in batch.placements:
+    c = batch.coef_BxT[p.row, p.start:p.start + p.length][
+        batch.loss_mask_BxT[p.row, p.start:p.start + p.length]]
+    np.testing.assert_allclose(c, SPEC_WA[p.node_index], atol=1e-4)
+  assert batch.normalizer == 100.0
+
+
+def test_too_long_trajectory_names_node_and_fix():
+  trees = worked_example_trees()
+  adv = compute_rewards_and_advantages(trees)
+  with pytest.raises(ValueError, match=r"'t1' node 'r1'.*9 tokens.*row_len=8.*Fix"):
+    pack_trees(trees, adv, row_len=8, bucket_rows=(8,))
+
+
+def test_too_many_rows_names_the_fix():
+  trees = worked_example_trees()
+  adv = compute_rewards_and_advantages(trees)
+  with pytest.raises(ValueError, match="largest bucket"):
+    pack_trees(trees, adv, row_len=10, bucket_rows=(1, 2))
+
+
+def test_packing_efficiency_on_realistic_trees():
+  trees = synthetic_trees(num_groups=4, group_size=4, vocab=1000, seed=3, max_len=1024)
+  adv = compute_rewards_and_advantages(trees)
+  rows = tuple(range(4, 257, 4))
+  batch = pack_trees(trees, adv, row_len=1024, bucket_rows=rows)
+  # Every generated target appears exactly once in the loss mask.
+  expected = sum(sum(n.gen_mask[1:]) for t in trees for n in t.nodes)
+  assert batch.loss_mask_BxT.sum() == expected
+  assert batch.stats["row_fill"] > 0.9
+  assert len({(p.row, p.start) for p in batch.placements}) == len(batch.placements)
