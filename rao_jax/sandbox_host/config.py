@@ -1,0 +1,85 @@
+"""SandboxConfig: the validated settings of the agents' REPL sandbox."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ISOLATION_MODES = ("bwrap", "process")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+  """Settings of one sandboxed REPL (and of every sandbox of a pool).
+
+  Attributes:
+    isolation: "bwrap" (bubblewrap jail: namespaces, read-only binds, private /tmp, no caps) or
+      "process" (a plain child process with rlimits and seccomp only; weaker, used only when
+      the user asks for it, and logged as a warning).
+    cell_timeout_s: wall-clock seconds one cell may run; past it the whole sandbox is killed
+      and replaced by a fresh one.
+    max_output_chars: characters of stdout+stderr kept per cell (a note says what was cut).
+    memory_mb: address-space limit of the REPL process (RLIMIT_AS), MiB.
+    file_size_mb: largest file the REPL may write (RLIMIT_FSIZE), MiB.
+    tmp_size_mb: size of the private /tmp tmpfs (bwrap mode), MiB.
+    open_files: RLIMIT_NOFILE of the REPL process.
+    processes: RLIMIT_NPROC where the uid allows it (not root); 0 leaves it unset.
+    seccomp: install the syscall filter (no non-UNIX sockets, ptrace, mount, namespaces, bpf,
+      io_uring, exec, fork). Only tests of the layers beneath turn it off.
+    spawn_timeout_s: seconds a new sandbox may take to report ready.
+    tool_arg_max_bytes: largest protocol message (tool call, output) accepted from the
+      sandbox; a bigger one is a protocol violation and the sandbox is replaced.
+    max_concurrent_spawns: sandboxes started at the same time by one pool (CPU-bound).
+    extra_ro_paths: more host paths bound read-only at the same place (bwrap mode), e.g. a
+      data folder the agents may read.
+    python: interpreter to run in the sandbox; "" means the one running the host.
+  """
+  isolation: str = "bwrap"
+  cell_timeout_s: float = 30.0
+  max_output_chars: int = 20_000
+  memory_mb: int = 1024
+  file_size_mb: int = 64
+  tmp_size_mb: int = 128
+  open_files: int = 256
+  processes: int = 256
+  seccomp: bool = True
+  spawn_timeout_s: float = 30.0
+  tool_arg_max_bytes: int = 32 * 1024 * 1024
+  max_concurrent_spawns: int = 8
+  extra_ro_paths: tuple[str, ...] = ()
+  python: str = ""
+
+  def __post_init__(self):
+    if self.isolation not in ISOLATION_MODES:
+      raise ValueError(f"SandboxConfig.isolation={self.isolation!r} is not one of "
+                       f"{ISOLATION_MODES}; use 'bwrap' (default), or 'process' only when "
+                       f"bubblewrap cannot be installed")
+    positive = {
+        "cell_timeout_s": self.cell_timeout_s, "max_output_chars": self.max_output_chars,
+        "memory_mb": self.memory_mb, "file_size_mb": self.file_size_mb,
+        "tmp_size_mb": self.tmp_size_mb, "open_files": self.open_files,
+        "spawn_timeout_s": self.spawn_timeout_s, "tool_arg_max_bytes": self.tool_arg_max_bytes,
+        "max_concurrent_spawns": self.max_concurrent_spawns,
+    }
+    for name, value in positive.items():
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"SandboxConfig.{name}={value!r} must be a positive number")
+    if self.memory_mb < 128:
+      raise ValueError(f"SandboxConfig.memory_mb={self.memory_mb} is too small for a Python "
+                       f"REPL; use at least 128 (default 1024)")
+    if self.open_files < 16:
+      raise ValueError(f"SandboxConfig.open_files={self.open_files} is too small; the REPL "
+                       f"needs at least 16 (default 256)")
+    if isinstance(self.processes, bool) or not isinstance(self.processes, int) \
+        or self.processes < 0:
+      raise ValueError(f"SandboxConfig.processes={self.processes!r} must be an int >= 0 "
+                       f"(0 leaves RLIMIT_NPROC unset)")
+    if not isinstance(self.extra_ro_paths, tuple):
+      raise ValueError(f"SandboxConfig.extra_ro_paths={self.extra_ro_paths!r} must be a tuple "
+                       f"of absolute paths")
+    for p in self.extra_ro_paths:
+      if not isinstance(p, str) or not os.path.isabs(p):
+        raise ValueError(f"SandboxConfig.extra_ro_paths has {p!r}; every entry must be an "
+                         f"absolute host path")
+    if self.python and not os.path.isabs(self.python):
+      raise ValueError(f"SandboxConfig.python={self.python!r} must be an absolute path to a "
+                       f"Python >= 3.11 interpreter, or '' for the host's own")

@@ -1,0 +1,372 @@
+"""One running REPL process and the host end of its fd protocol.
+
+The wire format is described in ``sandbox/repl.py``: 4-byte big-endian length + JSON, on a
+UNIX socketpair whose far end is the REPL's only channel to the host. Everything that comes
+from the sandbox is untrusted: sizes are capped, nonces are checked, unknown messages dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from typing import Any, Callable, Mapping
+
+from rao_jax.sandbox_host import jail
+from rao_jax.sandbox_host.config import SandboxConfig
+
+log = logging.getLogger(__name__)
+
+_STDERR_KEEP = 8192
+_warned_process_mode = False
+
+
+class SandboxSpawnError(RuntimeError):
+  """A sandbox could not be started (the message carries bwrap's / Python's own words)."""
+
+
+class SandboxDied(Exception):
+  """The REPL process ended or broke the protocol while the host waited for it."""
+
+
+def is_async_callable(fn: Any) -> bool:
+  """True for async functions, including objects whose __call__ is one and partials of one."""
+  while hasattr(fn, "func") and hasattr(fn, "args"):  # functools.partial
+    fn = fn.func
+  return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+      getattr(fn, "__call__", None))
+
+
+def _encode(msg: Mapping[str, Any]) -> bytes:
+  data = json.dumps(msg).encode("utf-8")
+  return len(data).to_bytes(4, "big") + data
+
+
+class ReplProcess:
+  """A started REPL: spawn it, run cells, forward its tool calls, kill it."""
+
+  def __init__(self, cfg: SandboxConfig):
+    self.cfg = cfg
+    self.proc: asyncio.subprocess.Process | None = None
+    self.pid = 0
+    self.spawn_s = 0.0
+    self.info: dict = {}
+    self._reader: asyncio.StreamReader | None = None
+    self._writer: asyncio.StreamWriter | None = None
+    self._tasks: list[asyncio.Task] = []
+    self._ready: asyncio.Future | None = None
+    self._waiter: asyncio.Future | None = None  # the reply the host is waiting for
+    self._waiter_id = ""
+    self._cell_id = ""
+    self._tools: Mapping[str, Callable] = {}
+    self._tool_tasks: dict[str, asyncio.Task] = {}
+    self._stderr = bytearray()
+    self._tmpdir = ""
+    self.dead_reason = ""
+
+  # ---- life cycle ---------------------------------------------------------------------------
+
+  @property
+  def alive(self) -> bool:
+    return not self.dead_reason and self.proc is not None and self.proc.returncode is None
+
+  async def spawn(self) -> "ReplProcess":
+    """Starts the process and waits for its ready message (cfg.spawn_timeout_s at most)."""
+    cfg = self.cfg
+    loop = asyncio.get_running_loop()
+    host_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = child_sock.fileno()
+    t0 = time.perf_counter()
+    try:
+      if cfg.isolation == "bwrap":
+        jail.require_bwrap()
+        argv = jail.bwrap_argv(cfg, fd)
+        argv[0] = shutil.which("bwrap") or argv[0]
+        # Not even bwrap itself gets the host's environment (it would be readable in the jail
+        # through the reaper process otherwise), and the jail has its own cwd.
+        env, cwd = {}, "/"
+      else:
+        _warn_process_mode()
+        argv = jail.process_argv(cfg, fd)
+        self._tmpdir = tempfile.mkdtemp(prefix="rao_sandbox_")
+        env = {"HOME": self._tmpdir, "TMPDIR": self._tmpdir, "LANG": "C.UTF-8",
+               "MALLOC_ARENA_MAX": "2"}
+        cwd = self._tmpdir
+      self.proc = await asyncio.create_subprocess_exec(
+          *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+          stderr=asyncio.subprocess.PIPE, pass_fds=(fd,), env=env, cwd=cwd,
+          start_new_session=True)
+    except BaseException:
+      host_sock.close()
+      child_sock.close()
+      self._remove_tmpdir()
+      raise
+    child_sock.close()
+    self.pid = self.proc.pid
+    self._reader, self._writer = await asyncio.open_unix_connection(
+        sock=host_sock, limit=1 << 20)
+    self._ready = loop.create_future()
+    self._tasks = [asyncio.create_task(self._read_loop()),
+                   asyncio.create_task(self._read_stderr())]
+    try:
+      self.info = await asyncio.wait_for(asyncio.shield(self._ready), cfg.spawn_timeout_s)
+    except (asyncio.TimeoutError, SandboxDied) as e:
+      await self.kill()
+      why = ("did not report ready within "
+             f"{cfg.spawn_timeout_s} s" if isinstance(e, asyncio.TimeoutError) else str(e))
+      err = self._stderr.decode("utf-8", "replace").strip()
+      raise SandboxSpawnError(
+          f"the sandbox ({cfg.isolation} mode) failed to start: {why}"
+          + (f"; its stderr says: {err}" if err else "")) from None
+    self.spawn_s = time.perf_counter() - t0
+    return self
+
+  async def kill(self) -> None:
+    """Kills the whole sandbox (bwrap and, through it, the pid namespace) and waits for it."""
+    self._mark_dead("killed by the host")
+    proc = self.proc
+    if proc is not None and proc.returncode is None:
+      try:
+        # The session (start_new_session) of the direct child: bwrap, or the REPL itself.
+        # bwrap's --die-with-parent then takes down its pid-1 reaper, and with it the
+        # whole pid namespace.
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      await proc.wait()
+    elif proc is not None:
+      await proc.wait()
+    if self._writer is not None:
+      self._writer.close()
+    for t in list(self._tasks) + list(self._tool_tasks.values()):
+      t.cancel()
+    self._tool_tasks.clear()
+    if self._tasks:
+      await asyncio.gather(*self._tasks, return_exceptions=True)
+    self._tasks = []
+    self._remove_tmpdir()
+
+  def _remove_tmpdir(self):
+    if self._tmpdir:
+      shutil.rmtree(self._tmpdir, ignore_errors=True)
+      self._tmpdir = ""
+
+  def _mark_dead(self, reason: str) -> None:
+    if self.dead_reason:
+      return
+    self.dead_reason = reason
+    for fut in (self._ready, self._waiter):
+      if fut is not None and not fut.done():
+        fut.set_exception(SandboxDied(reason))
+    for t in self._tool_tasks.values():
+      t.cancel()
+
+  # ---- requests -----------------------------------------------------------------------------
+
+  async def _send(self, msg: Mapping[str, Any]) -> None:
+    if self._writer is None or self.dead_reason:
+      raise SandboxDied(self.dead_reason or "not started")
+    try:
+      self._writer.write(_encode(msg))
+      await self._writer.drain()
+    except (ConnectionError, OSError) as e:
+      self._mark_dead(f"the protocol channel broke: {e!r}")
+      raise SandboxDied(self.dead_reason) from None
+
+  async def _request(self, msg: dict, tools: Mapping[str, Callable] | None,
+                     timeout: float | None) -> dict:
+    if self._waiter is not None:
+      raise RuntimeError("this sandbox is already running a cell; await it first")
+    nonce = secrets.token_hex(16)
+    msg["id"] = nonce
+    self._waiter_id = nonce
+    self._waiter = asyncio.get_running_loop().create_future()
+    if tools is not None:
+      self._cell_id = nonce
+      self._tools = tools
+    try:
+      await self._send(msg)
+      return await asyncio.wait_for(self._waiter, timeout)
+    finally:
+      self._waiter = None
+      self._waiter_id = ""
+      self._cell_id = ""
+      self._tools = {}
+      # Host-side work of this cell ends with it: never-awaited or abandoned tool calls.
+      for t in self._tool_tasks.values():
+        t.cancel()
+      self._tool_tasks.clear()
+
+  async def run(self, code: str, tools: Mapping[str, Callable], max_output: int,
+                timeout: float) -> dict:
+    """Runs one cell; returns the done message. Raises asyncio.TimeoutError or SandboxDied."""
+    spec = [[name, is_async_callable(fn)] for name, fn in sorted(tools.items())]
+    return await self._request(
+        {"op": "run", "code": code, "tools": spec, "max_output": max_output}, tools, timeout)
+
+  async def set_vars(self, variables: Mapping[str, Any], timeout: float) -> None:
+    """Binds JSON values as REPL variables."""
+    reply = await self._request({"op": "vars", "vars": dict(variables)}, None, timeout)
+    if reply.get("error"):
+      raise ValueError(f"the sandbox could not bind the variables: {reply['error']}")
+
+  # ---- incoming -----------------------------------------------------------------------------
+
+  async def _read_loop(self) -> None:
+    reader = self._reader
+    limit = self.cfg.tool_arg_max_bytes + self.cfg.max_output_chars * 8 + 65536
+    try:
+      while True:
+        head = await reader.readexactly(4)
+        size = int.from_bytes(head, "big")
+        if size > limit:
+          self._violation(f"a message of {size} bytes (limit {limit})")
+          return
+        body = await reader.readexactly(size)
+        try:
+          msg = json.loads(body)
+        except ValueError:
+          self._violation("a message that is not JSON")
+          return
+        if not isinstance(msg, dict):
+          self._violation("a message that is not a JSON object")
+          return
+        self._dispatch(msg)
+    except asyncio.IncompleteReadError:
+      pass
+    except (ConnectionError, OSError) as e:
+      log.debug("sandbox %d channel error: %r", self.pid, e)
+    await self._reap_and_mark()
+
+  async def _reap_and_mark(self) -> None:
+    """The channel closed: the process exited (or closed its end). Find out how."""
+    proc = self.proc
+    code = None
+    if proc is not None:
+      try:
+        code = await asyncio.wait_for(proc.wait(), 2.0)
+      except asyncio.TimeoutError:
+        code = None
+    if code is None:
+      reason = "the sandbox closed its protocol channel"
+    elif code < 0:
+      reason = f"the sandbox process was killed by signal {signal.Signals(-code).name}"
+    else:
+      reason = f"the sandbox process exited with status {code}"
+    err = self._stderr.decode("utf-8", "replace").strip()
+    if err and not self.info:
+      reason += f" (stderr: {err[-2000:]})"
+    self._mark_dead(reason)
+
+  def _violation(self, what: str) -> None:
+    log.warning("sandbox %d sent %s; it is replaced", self.pid, what)
+    self._mark_dead(f"protocol violation: the sandbox sent {what}")
+    if self.proc is not None and self.proc.returncode is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+  async def _read_stderr(self) -> None:
+    # Only bwrap and a failing interpreter start-up write here; keep the first few KiB.
+    stream = self.proc.stderr
+    while True:
+      chunk = await stream.read(65536)
+      if not chunk:
+        return
+      room = _STDERR_KEEP - len(self._stderr)
+      if room > 0:
+        self._stderr += chunk[:room]
+
+  def _dispatch(self, msg: dict) -> None:
+    op = msg.get("op")
+    if op == "ready":
+      if self._ready is not None and not self._ready.done():
+        self._ready.set_result(msg)
+    elif op in ("done", "vars_done"):
+      # Only the reply to the request in flight counts: the nonce was never seen before.
+      if (self._waiter is not None and not self._waiter.done()
+          and msg.get("id") == self._waiter_id and self._waiter_id):
+        self._waiter.set_result(msg)
+    elif op == "tool":
+      self._start_tool(msg)
+    elif op == "cancel":
+      task = self._tool_tasks.pop(str(msg.get("rid")), None)
+      if task is not None:
+        task.cancel()
+    else:
+      log.debug("sandbox %d: ignored message op=%r", self.pid, op)
+
+  def _start_tool(self, msg: dict) -> None:
+    rid = msg.get("rid")
+    if not isinstance(rid, str) or not rid or len(rid) > 64:
+      return
+    name = msg.get("name")
+    args = msg.get("args", [])
+    kwargs = msg.get("kwargs", {})
+    error = None
+    if not self._cell_id or msg.get("cell") != self._cell_id:
+      error = "ToolError: tools can only be called while a cell is running"
+    elif rid in self._tool_tasks:
+      error = "ToolError: duplicate request id"
+    elif not isinstance(name, str) or name not in self._tools:
+      error = f"NameError: no tool named {name!r} is available in this cell"
+    elif not isinstance(args, list) or not isinstance(kwargs, dict):
+      error = "TypeError: malformed tool call"
+    if error is not None:
+      asyncio.create_task(self._reply_safely({"op": "reply", "rid": rid, "ok": False,
+                                              "error": error}))
+      return
+    task = asyncio.create_task(self._run_tool(rid, name, self._tools[name], args, kwargs))
+    self._tool_tasks[rid] = task
+
+  async def _run_tool(self, rid: str, name: str, fn: Callable, args: list, kwargs: dict):
+    try:
+      result = fn(*args, **kwargs)
+      if inspect.isawaitable(result):
+        result = await result
+      try:
+        reply = _encode({"op": "reply", "rid": rid, "ok": True, "value": result})
+      except (TypeError, ValueError) as e:
+        reply = _encode({"op": "reply", "rid": rid, "ok": False,
+                         "error": f"TypeError: tool {name} returned a value that is not "
+                                  f"JSON-serialisable ({type(result).__name__}): {e}"})
+    except asyncio.CancelledError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      # A tool's failure is an observation for the agent, not a host error.
+      log.debug("tool %s raised %r", name, e)
+      reply = _encode({"op": "reply", "rid": rid, "ok": False,
+                       "error": f"{type(e).__name__}: {e}"})
+    finally:
+      if self._tool_tasks.get(rid) is asyncio.current_task():
+        del self._tool_tasks[rid]
+    if self._writer is not None and not self.dead_reason:
+      try:
+        self._writer.write(reply)
+        await self._writer.drain()
+      except (ConnectionError, OSError):
+        pass
+
+  async def _reply_safely(self, msg: dict) -> None:
+    try:
+      await self._send(msg)
+    except SandboxDied:
+      pass
+
+
+def _warn_process_mode() -> None:
+  global _warned_process_mode
+  if not _warned_process_mode:
+    _warned_process_mode = True
+    log.warning(
+        "sandbox isolation='process' (asked for by the user): agents' code runs as a plain "
+        "child process with rlimits and seccomp only, WITHOUT bubblewrap's filesystem, "
+        "network and pid namespaces; use isolation='bwrap' wherever bubblewrap is installed")

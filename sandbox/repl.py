@@ -1,0 +1,578 @@
+"""The REPL that runs agents' code inside the jail.
+
+This program is untrusted territory: it runs the policy's Python and therefore never imports
+rao_jax, only the standard library. The host (``rao_jax.sandbox_host``) starts it, usually
+under bubblewrap, as
+
+    python -I -S -B repl.py fd=N memory_mb=.. file_size_mb=.. open_files=.. processes=..
+                            seccomp=<hex BPF program compiled by the host with pyseccomp>
+
+and speaks to it over ONE dedicated file descriptor (a UNIX socketpair end, number N), never
+over stdout: frames of a 4-byte big-endian length followed by a JSON object.
+
+    host -> repl   {"op": "run", "id": NONCE, "code": str, "tools": [[name, is_async], ...],
+                    "max_output": int}
+                   {"op": "vars", "id": NONCE, "vars": {name: json value}}
+                   {"op": "reply", "rid": RID, "ok": bool, "value": json | "error": str}
+    repl -> host   {"op": "ready", "pid": int, "seccomp": bool, "limits": {...}}
+                   {"op": "tool", "cell": NONCE, "rid": RID, "name": str, "args": [...],
+                    "kwargs": {...}}
+                   {"op": "cancel", "rid": RID}
+                   {"op": "done", "id": NONCE, "output": str, "error": str | null}
+
+NONCE is chosen by the host for every cell and RID by this program for every tool request, so
+a reply is matched to its request and anything the agent's code prints (fd 1 and fd 2 end up
+in a pipe that this program reads into the cell's output) can never pass for a message.
+
+Start-up order matters: limits and the seccomp filter are installed before any thread exists,
+because a seccomp filter only applies to the thread that loads it and to threads created later.
+"""
+import os
+import sys
+
+# Bound once, so agent code that deletes or replaces module attributes cannot break the
+# protocol in the middle of a cell.
+_write = os.write
+_read = os.read
+
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+
+
+def _parse_args(argv):
+  """key=value arguments (no json yet: its import costs start-up time)."""
+  cfg = {}
+  for item in argv:
+    key, _, value = item.partition("=")
+    cfg[key] = int(value) if value.lstrip("-").isdigit() else value
+  return cfg
+
+
+def _set_limits(cfg):
+  """Lowers soft AND hard resource limits, so the agent's code cannot raise them again."""
+  import resource
+  mb = 1024 * 1024
+  wanted = {
+      "RLIMIT_AS": cfg["memory_mb"] * mb,
+      "RLIMIT_FSIZE": cfg["file_size_mb"] * mb,
+      "RLIMIT_NOFILE": cfg["open_files"],
+      "RLIMIT_CORE": 0,
+  }
+  # RLIMIT_NPROC counts every process of the real uid on the whole machine and the kernel does
+  # not apply it to root at all; the seccomp filter (no fork, no non-thread clone) is what
+  # stops a fork bomb, this limit is a second layer where the uid allows it.
+  if os.getuid() != 0 and cfg.get("processes", 0) > 0:
+    wanted["RLIMIT_NPROC"] = cfg["processes"]
+  applied = {}
+  for name, value in wanted.items():
+    res = getattr(resource, name)
+    _, hard = resource.getrlimit(res)
+    if hard != resource.RLIM_INFINITY and hard < value:
+      value = hard
+    resource.setrlimit(res, (value, value))
+    applied[name] = value
+  return applied
+
+
+def _load_seccomp(bpf_hex):
+  """Installs the host's seccomp filter (a BPF program compiled with pyseccomp/libseccomp).
+
+  The host compiles it once (rao_jax/sandbox_host/seccomp.py); loading it here takes one
+  prctl, instead of importing pyseccomp, typing and ctypes.util in every sandbox.
+  """
+  import ctypes
+  prog_bytes = bytes.fromhex(bpf_hex)
+  if not prog_bytes or len(prog_bytes) % 8:
+    raise RuntimeError("the seccomp program from the host is malformed")
+
+  class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+  buf = ctypes.create_string_buffer(prog_bytes, len(prog_bytes))
+  prog = SockFprog(len(prog_bytes) // 8, ctypes.addressof(buf))
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                         ctypes.c_ulong]
+  # No new privileges: required for an unprivileged filter, and no setuid binary could
+  # regain anything anyway.
+  if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+  if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+
+
+def main():
+  cfg = _parse_args(sys.argv[1:])
+  fd = cfg["fd"]
+  # fds 1 and 2 become the write end of a pipe that this process drains into the current
+  # cell's output; the original fds (towards the host) are gone, so the agent's code has no
+  # way to write anything the host would read except through the protocol fd.
+  out_r, out_w = os.pipe()
+  os.dup2(out_w, 1)
+  os.dup2(out_w, 2)
+  os.close(out_w)
+  null = os.open("/dev/null", os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
+  limits = _set_limits(cfg)
+  bpf = cfg.get("seccomp", "")
+  if bpf:
+    _load_seccomp(bpf)
+  # The ready message is written by hand: json and the cell machinery are imported after it,
+  # while the host already counts this sandbox as started (a first cell simply queues).
+  ready = ('{"op": "ready", "pid": %d, "seccomp": %s, "limits": {%s}}' % (
+      os.getpid(), "true" if bpf else "false",
+      ", ".join('"%s": %d' % kv for kv in sorted(limits.items()))))
+  data = ready.encode()
+  _write(fd, len(data).to_bytes(4, "big") + data)
+  _late_imports()
+  repl = _Repl(fd, out_r)
+  repl.serve()
+
+
+# --------------------------------------------------------------------------------------------
+# Everything below runs after the jail is complete.
+
+ast = json = linecache = threading = traceback = None
+_dumps = _loads = _Lock = _Thread = _Event = None
+
+
+def _late_imports():
+  global ast, json, linecache, threading, traceback
+  global _dumps, _loads, _Lock, _Thread, _Event
+  import ast  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  import json  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  import linecache  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  import threading  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  import traceback  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  _dumps = json.dumps
+  _loads = json.loads
+  _Lock = threading.Lock
+  _Thread = threading.Thread
+  _Event = threading.Event
+
+_new_nonce = lambda: os.urandom(8).hex()  # noqa: E731
+
+
+class ToolError(Exception):
+  """A tool call failed on the host; the message is the host's error text."""
+
+
+class _Capture:
+  """Cell output: keeps the first `limit` characters and counts the rest."""
+
+  def __init__(self):
+    self.lock = _Lock()
+    self.reset(0)
+
+  def reset(self, limit):
+    self.parts = []
+    self.kept = 0
+    self.dropped = 0
+    self.limit = limit
+
+  def add(self, text):
+    if not text:
+      return
+    with self.lock:
+      room = self.limit - self.kept
+      if room <= 0:
+        self.dropped += len(text)
+        return
+      if len(text) > room:
+        self.dropped += len(text) - room
+        text = text[:room]
+      self.parts.append(text)
+      self.kept += len(text)
+
+  def take(self):
+    with self.lock:
+      text = "".join(self.parts)
+      if self.dropped:
+        text += (f"\n[output truncated: {self.dropped} more characters were not shown; "
+                 f"the limit is {self.limit} characters per cell]")
+      self.parts = []
+      return text
+
+
+class _Stream:
+  """sys.stdout / sys.stderr during a cell."""
+
+  encoding = "utf-8"
+  errors = "replace"
+
+  def __init__(self, capture, fileno):
+    self._capture = capture
+    self._fileno = fileno
+
+  def write(self, s):
+    if not isinstance(s, str):
+      raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+    self._capture.add(s)
+    return len(s)
+
+  def writelines(self, lines):
+    for line in lines:
+      self.write(line)
+
+  def flush(self):
+    pass
+
+  def isatty(self):
+    return False
+
+  def writable(self):
+    return True
+
+  def readable(self):
+    return False
+
+  def fileno(self):
+    return self._fileno
+
+
+class _ToolCall:
+  """Bookkeeping for one request to the host."""
+
+  __slots__ = ("name", "rid", "event", "ok", "value", "loop", "future", "on_done")
+
+  def __init__(self, name, rid):
+    self.name = name
+    self.rid = rid
+    self.event = None
+    self.ok = None
+    self.value = None
+    self.loop = None
+    self.future = None
+    self.on_done = None
+
+
+_AWAIT_CACHE = {}
+
+
+def _directly_awaited(frame):
+  """True when the call at `frame`'s current instruction is the operand of `await`."""
+  code = frame.f_code
+  table = _AWAIT_CACHE.get(code)
+  if table is None:
+    import dis
+    instrs = list(dis.get_instructions(code))
+    table = set()
+    for a, b in zip(instrs, instrs[1:]):
+      if b.opname == "GET_AWAITABLE":
+        table.add(a.offset)
+    _AWAIT_CACHE[code] = table
+  return frame.f_lasti in table
+
+
+class _Repl:
+  """Protocol loop, cell execution and tool forwarding."""
+
+  def __init__(self, fd, out_r):
+    self.fd = fd
+    self.out_r = out_r
+    self.send_lock = _Lock()
+    self.out_lock = _Lock()
+    self.capture = _Capture()
+    self.stdout = _Stream(self.capture, 1)
+    self.stderr = _Stream(self.capture, 2)
+    self.calls = {}  # rid -> _ToolCall, requests in flight
+    self.calls_lock = _Lock()
+    self.cell_id = None
+    self.cell_no = 0
+    self.commands = []  # run / vars requests, handed from the reader thread to the main thread
+    self.commands_cv = threading.Condition(_Lock())
+    self.loop = None
+    import builtins
+    self.builtins_mod = builtins
+    self.builtins_snapshot = dict(builtins.__dict__)
+    self.ns = {"__name__": "__main__", "__builtins__": builtins}
+    self.decoder = __import__("codecs").getincrementaldecoder("utf-8")("replace")
+    self.closed = False
+    _Thread(target=self._drain_fd_output, name="repl-output", daemon=True).start()
+    _Thread(target=self._read_host, name="repl-reader", daemon=True).start()
+
+  # ---- wire -------------------------------------------------------------------------------
+
+  def send(self, obj):
+    data = _dumps(obj).encode("utf-8")
+    frame = len(data).to_bytes(4, "big") + data
+    with self.send_lock:
+      view = memoryview(frame)
+      while view:
+        n = _write(self.fd, view)
+        view = view[n:]
+
+  def _read_exact(self, n):
+    chunks = []
+    while n:
+      b = _read(self.fd, min(n, 1 << 20))
+      if not b:
+        return None
+      chunks.append(b)
+      n -= len(b)
+    return b"".join(chunks)
+
+  def _read_host(self):
+    """Reader thread: tool replies go straight to their waiter, commands to the main thread."""
+    try:
+      while True:
+        head = self._read_exact(4)
+        if head is None:
+          break
+        body = self._read_exact(int.from_bytes(head, "big"))
+        if body is None:
+          break
+        try:
+          msg = _loads(body)
+          if msg.get("op") == "reply":
+            self._resolve(msg)
+            continue
+        except Exception:  # pylint: disable=broad-except
+          continue  # one bad message (or a loop the agent closed) must not end the REPL
+        with self.commands_cv:
+          self.commands.append(msg)
+          self.commands_cv.notify()
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    # The host is gone or closed the channel: nothing left to serve.
+    os._exit(0)
+
+  def _resolve(self, msg):
+    with self.calls_lock:
+      call = self.calls.pop(msg.get("rid"), None)
+    if call is None:
+      return  # not ours (never issued, already answered or cancelled)
+    call.ok = bool(msg.get("ok"))
+    call.value = msg.get("value") if call.ok else str(msg.get("error"))
+    if call.future is not None:
+      call.loop.call_soon_threadsafe(self._settle_future, call)
+    else:
+      call.event.set()
+
+  @staticmethod
+  def _settle_future(call):
+    fut = call.future
+    if fut.done():
+      return
+    if call.ok:
+      fut.set_result(call.value)
+    else:
+      fut.set_exception(ToolError(call.value))
+
+  def _drain_fd_output(self):
+    """Output thread: whatever reaches fd 1 or 2 (os.write, C code) joins the cell output.
+
+    It keeps reading while a cell writes, so 100 MB written to fd 1 cost time, not a hang.
+    """
+    import select
+    poller = select.poll()
+    poller.register(self.out_r, select.POLLIN)
+    os.set_blocking(self.out_r, False)
+    while True:
+      poller.poll()
+      if not self._drain_now():
+        return  # every write end is closed (the agent closed fds 1 and 2): nothing to read
+
+  def _drain_now(self):
+    """Moves what is in the output pipe into the capture; False once the pipe is closed.
+
+    Reading under `out_lock` means that at the end of a cell, after one more call, every
+    byte written before that point is in the output.
+    """
+    with self.out_lock:
+      while True:
+        try:
+          b = _read(self.out_r, 1 << 16)
+        except BlockingIOError:
+          return True
+        except OSError:
+          return False
+        if not b:
+          return False
+        self.capture.add(self.decoder.decode(b))
+
+  # ---- tools ------------------------------------------------------------------------------
+
+  def _make_proxy(self, name, is_async):
+    repl = self
+
+    def proxy(*args, **kwargs):
+      return repl.call_tool(name, is_async, sys._getframe(1), args, kwargs)
+
+    proxy.__name__ = proxy.__qualname__ = name
+    proxy.__doc__ = (f"Calls the host tool {name!r}. `{name}(...)` returns its result; "
+                     f"`await {name}(...)` and asyncio.gather(...) run calls concurrently.")
+    return proxy
+
+  def call_tool(self, name, is_async, frame, args, kwargs):
+    cell = self.cell_id
+    if cell is None:
+      raise ToolError(f"{name}: tools can only be called while a cell is running")
+    try:
+      payload = {"op": "tool", "cell": cell, "rid": "", "name": name, "args": list(args),
+                 "kwargs": kwargs}
+      _dumps(payload)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"{name}(...): arguments must be JSON values (str, int, float, bool, "
+                      f"None, list, dict with str keys): {e}") from None
+    loop = None
+    aio = sys.modules.get("asyncio")
+    if aio is not None:
+      loop = aio._get_running_loop()  # pylint: disable=protected-access
+    rid = _new_nonce()
+    payload["rid"] = rid
+    call = _ToolCall(name, rid)
+    # Inside a running event loop an awaitable is returned when the caller awaits this very
+    # call, or when the host tool is asynchronous (so it can go to asyncio.gather); in every
+    # other case the call blocks and returns the result, so `x = craft(...)` just works.
+    if loop is not None and (is_async or _directly_awaited(frame)):
+      call.loop = loop
+      call.future = loop.create_future()
+      call.on_done = lambda fut: self._on_future_done(fut, rid)
+      call.future.add_done_callback(call.on_done)
+    else:
+      call.event = _Event()
+    with self.calls_lock:
+      self.calls[rid] = call
+    self.send(payload)
+    if call.future is not None:
+      return call.future
+    call.event.wait()
+    if call.ok:
+      return call.value
+    raise ToolError(call.value)
+
+  def _on_future_done(self, fut, rid):
+    # The agent cancelled the awaitable (asyncio.wait_for, task.cancel): stop the host side.
+    if fut.cancelled():
+      with self.calls_lock:
+        pending = self.calls.pop(rid, None)
+      if pending is not None:
+        self.send({"op": "cancel", "rid": rid})
+
+  def _cancel_pending(self):
+    """Ends the requests a finished cell left behind (e.g. a tool call never awaited)."""
+    with self.calls_lock:
+      pending = list(self.calls.items())
+      self.calls.clear()
+    names = []
+    for rid, call in pending:
+      names.append(call.name)
+      self.send({"op": "cancel", "rid": rid})
+      if call.future is not None and not call.future.done():
+        call.future.remove_done_callback(call.on_done)
+        call.future.cancel()
+    return names
+
+  # ---- cells ------------------------------------------------------------------------------
+
+  def serve(self):
+    while True:
+      with self.commands_cv:
+        while not self.commands:
+          self.commands_cv.wait()
+        msg = self.commands.pop(0)
+      op = msg.get("op")
+      if op == "run":
+        self.send(self.run_cell(msg))
+      elif op == "vars":
+        err = None
+        try:
+          self.ns.update(msg["vars"])
+        except Exception as e:  # pylint: disable=broad-except
+          err = repr(e)
+        self.send({"op": "vars_done", "id": msg.get("id"), "error": err})
+
+  def _restore_runtime(self):
+    # The agent may have deleted or replaced builtins, sys.stdout, or the proxies last cell.
+    bdict = self.builtins_mod.__dict__
+    for k, v in self.builtins_snapshot.items():
+      if bdict.get(k, bdict) is not v:
+        bdict[k] = v
+    self.ns["__builtins__"] = self.builtins_mod
+    sys.stdout = self.stdout
+    sys.stderr = self.stderr
+
+  def run_cell(self, msg):
+    self.cell_no += 1
+    self.capture.reset(int(msg.get("max_output", 20000)))
+    self._restore_runtime()
+    for name, is_async in msg.get("tools", ()):
+      self.ns[name] = self._make_proxy(name, bool(is_async))
+    error = None
+    self.cell_id = msg["id"]
+    try:
+      error = self._execute(msg["code"])
+    except BaseException as e:  # pylint: disable=broad-except
+      error = f"{type(e).__name__}: {e} (raised by the REPL itself)"
+    self.cell_id = None
+    try:
+      sys.stdout = self.stdout
+      sys.stderr = self.stderr
+      self._drain_now()
+      leftover = self._cancel_pending()
+      if leftover:
+        self.capture.add(
+            f"\n[note: {len(leftover)} tool call(s) ({', '.join(sorted(set(leftover)))}) were "
+            f"still pending when the cell ended and were cancelled; await them in the cell "
+            f"that makes them]")
+      output = self.capture.take()
+    except BaseException as e:  # pylint: disable=broad-except
+      output = f"[the REPL could not collect the output: {e!r}]"
+    return {"op": "done", "id": msg["id"], "output": output, "error": error}
+
+  def _execute(self, src):
+    filename = f"<cell {self.cell_no}>"
+    try:
+      tree = ast.parse(src, filename=filename, mode="exec")
+    except SyntaxError as e:
+      return "".join(traceback.format_exception_only(SyntaxError, e)).rstrip()
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    # The value of a final bare expression is shown, as in an interactive session.
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+      last = ast.Expression(tree.body.pop().value)
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    try:
+      body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+      tail = (compile(last, filename, "eval", flags=flags, dont_inherit=True)
+              if last is not None else None)
+      self._run_code(body)
+      if tail is not None:
+        value = self._run_code(tail)
+        if value is not None:
+          self.capture.add(repr(value) + "\n")
+    except BaseException as e:  # pylint: disable=broad-except
+      self._restore_runtime()  # formatting needs the builtins the cell may have deleted
+      return self._format_error(e)
+    return None
+
+  def _run_code(self, code):
+    if code.co_flags & 0x80:  # CO_COROUTINE: the cell uses top-level await
+      if self.loop is None:
+        import asyncio
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+      return self.loop.run_until_complete(eval(code, self.ns))  # pylint: disable=eval-used
+    return eval(code, self.ns)  # pylint: disable=eval-used
+
+  def _format_error(self, exc):
+    if isinstance(exc, SystemExit):
+      return (f"SystemExit({exc.code!r}): exiting is not allowed here; the REPL keeps running "
+              f"and your variables are kept")
+    # Only the agent's own frames: the REPL's and asyncio's internals are noise to the agent.
+    tb = exc.__traceback__
+    frames = [f for f in traceback.extract_tb(tb) if f.filename.startswith("<cell ")]
+    lines = traceback.format_list(frames[-8:]) if frames else []
+    head = "Traceback (most recent call last):\n" if lines else ""
+    msg = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+    text = head + "".join(lines) + msg
+    if len(text) > 4000:
+      text = text[:1500] + "\n[... traceback shortened ...]\n" + text[-2000:]
+    return text
+
+
+if __name__ == "__main__":
+  main()
