@@ -27,8 +27,14 @@ in a pipe that this program reads into the cell's output) can never pass for a m
 Start-up order matters: limits and the seccomp filter are installed before any thread exists,
 because a seccomp filter only applies to the thread that loads it and to threads created later.
 """
+import builtins as _builtins_module
 import os
 import sys
+
+# The REPL's own functions look builtins up in this private copy (a function captures its
+# module's __builtins__ when it is created), so agent code that deletes or replaces builtins
+# (`del builtins.len`) cannot break the protocol, even in the threads that run during a cell.
+__builtins__ = dict(_builtins_module.__dict__)
 
 # Bound once, so agent code that deletes or replaces module attributes cannot break the
 # protocol in the middle of a cell.
@@ -104,6 +110,7 @@ def _load_seccomp(bpf_hex):
 
 def main():
   cfg = _parse_args(sys.argv[1:])
+  sys.argv = ["repl"]  # the agent's code has no use for the fd number or the filter
   fd = cfg["fd"]
   # fds 1 and 2 become the write end of a pipe that this process drains into the current
   # cell's output; the original fds (towards the host) are gone, so the agent's code has no
@@ -152,6 +159,7 @@ def _late_imports():
   _Thread = threading.Thread
   _Event = threading.Event
 
+_LAST = "_repl_last_value_"
 _new_nonce = lambda: os.urandom(8).hex()  # noqa: E731
 
 
@@ -252,18 +260,22 @@ _AWAIT_CACHE = {}
 
 
 def _directly_awaited(frame):
-  """True when the call at `frame`'s current instruction is the operand of `await`."""
+  """True when the call at `frame`'s current instruction is the operand of `await`.
+
+  f_lasti points at the CALL or at one of its inline cache entries, so the question is
+  whether the first real instruction after it is GET_AWAITABLE.
+  """
   code = frame.f_code
-  table = _AWAIT_CACHE.get(code)
-  if table is None:
+  entry = _AWAIT_CACHE.get(code)
+  if entry is None:
     import dis
     instrs = list(dis.get_instructions(code))
-    table = set()
-    for a, b in zip(instrs, instrs[1:]):
-      if b.opname == "GET_AWAITABLE":
-        table.add(a.offset)
-    _AWAIT_CACHE[code] = table
-  return frame.f_lasti in table
+    entry = ([i.offset for i in instrs], [i.opname == "GET_AWAITABLE" for i in instrs])
+    _AWAIT_CACHE[code] = entry
+  import bisect
+  offsets, awaits = entry
+  k = bisect.bisect_right(offsets, frame.f_lasti)
+  return k < len(offsets) and awaits[k]
 
 
 class _Repl:
@@ -286,16 +298,20 @@ class _Repl:
     self.loop = None
     import builtins
     self.builtins_mod = builtins
-    self.builtins_snapshot = dict(builtins.__dict__)
+    self.builtins_dict = builtins.__dict__
+    self.builtins_items = tuple(builtins.__dict__.items())
     self.ns = {"__name__": "__main__", "__builtins__": builtins}
     self.decoder = __import__("codecs").getincrementaldecoder("utf-8")("replace")
     self.closed = False
+    # Non-blocking before any reader exists: _drain_now must never wait on an empty pipe.
+    os.set_blocking(out_r, False)
     _Thread(target=self._drain_fd_output, name="repl-output", daemon=True).start()
     _Thread(target=self._read_host, name="repl-reader", daemon=True).start()
 
   # ---- wire -------------------------------------------------------------------------------
 
   def send(self, obj):
+    self._restore_builtins()
     data = _dumps(obj).encode("utf-8")
     frame = len(data).to_bytes(4, "big") + data
     with self.send_lock:
@@ -325,6 +341,7 @@ class _Repl:
         if body is None:
           break
         try:
+          self._restore_builtins()
           msg = _loads(body)
           if msg.get("op") == "reply":
             self._resolve(msg)
@@ -369,7 +386,6 @@ class _Repl:
     import select
     poller = select.poll()
     poller.register(self.out_r, select.POLLIN)
-    os.set_blocking(self.out_r, False)
     while True:
       poller.poll()
       if not self._drain_now():
@@ -407,6 +423,7 @@ class _Repl:
     return proxy
 
   def call_tool(self, name, is_async, frame, args, kwargs):
+    self._restore_builtins()
     cell = self.cell_id
     if cell is None:
       raise ToolError(f"{name}: tools can only be called while a cell is running")
@@ -485,12 +502,20 @@ class _Repl:
           err = repr(e)
         self.send({"op": "vars_done", "id": msg.get("id"), "error": err})
 
-  def _restore_runtime(self):
-    # The agent may have deleted or replaced builtins, sys.stdout, or the proxies last cell.
-    bdict = self.builtins_mod.__dict__
-    for k, v in self.builtins_snapshot.items():
+  def _restore_builtins(self):
+    """Puts back builtins the agent deleted or replaced.
+
+    Called before each cell and before the REPL itself uses the standard library (json in
+    send / receive), whose functions look builtins up in the shared, agent-writable dict.
+    """
+    bdict = self.builtins_dict
+    for k, v in self.builtins_items:
       if bdict.get(k, bdict) is not v:
         bdict[k] = v
+
+  def _restore_runtime(self):
+    # The agent may have deleted or replaced builtins, sys.stdout, or the proxies last cell.
+    self._restore_builtins()
     self.ns["__builtins__"] = self.builtins_mod
     sys.stdout = self.stdout
     sys.stderr = self.stderr
@@ -530,21 +555,25 @@ class _Repl:
     except SyntaxError as e:
       return "".join(traceback.format_exception_only(SyntaxError, e)).rstrip()
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    # The value of a final bare expression is shown, as in an interactive session.
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-      last = ast.Expression(tree.body.pop().value)
-    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    # The value of a final bare expression is shown, as in an interactive session. It is
+    # captured by an assignment inside the same code object, so that an `await` anywhere in
+    # the cell makes the WHOLE cell run in the event loop.
+    show = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+    if show:
+      last = tree.body[-1]
+      tree.body[-1] = ast.copy_location(
+          ast.Assign(targets=[ast.Name(_LAST, ast.Store())], value=last.value), last)
+      ast.fix_missing_locations(tree)
     try:
-      body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
-      tail = (compile(last, filename, "eval", flags=flags, dont_inherit=True)
-              if last is not None else None)
-      self._run_code(body)
-      if tail is not None:
-        value = self._run_code(tail)
+      code = compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                     dont_inherit=True)
+      self._run_code(code)
+      if show:
+        value = self.ns.pop(_LAST, None)
         if value is not None:
           self.capture.add(repr(value) + "\n")
     except BaseException as e:  # pylint: disable=broad-except
+      self.ns.pop(_LAST, None)
       self._restore_runtime()  # formatting needs the builtins the cell may have deleted
       return self._format_error(e)
     return None

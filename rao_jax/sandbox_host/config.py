@@ -78,8 +78,8 @@ class SandboxConfig:
                        f"of absolute paths")
     for p in self.extra_ro_paths:
       if not isinstance(p, str) or not os.path.isabs(p):
-        raise ValueError(f"SandboxConfig.extra_ro_paths has {p!r}; every entry must be an "
-                         f"absolute host path")
+        raise ValueError(f"SandboxConfig.extra_ro_paths={self.extra_ro_paths!r} has {p!r}; "
+                         f"every entry must be an absolute host path")
     if self.python and not os.path.isabs(self.python):
       raise ValueError(f"SandboxConfig.python={self.python!r} must be an absolute path to a "
                        f"Python >= 3.11 interpreter, or '' for the host's own")

@@ -41,9 +41,10 @@ class CellResult:
   @property
   def observation(self) -> str:
     """Output followed by the traceback: the text an agent usually gets back."""
-    if self.error:
-      return f"{self.output}{'' if not self.output or self.output.endswith(chr(10)) else chr(10)}{self.error}"
-    return self.output
+    if not self.error:
+      return self.output
+    sep = "" if not self.output or self.output.endswith("\n") else "\n"
+    return f"{self.output}{sep}{self.error}"
 
 
 class Sandbox:

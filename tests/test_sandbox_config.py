@@ -1,0 +1,106 @@
+"""SandboxConfig validation, the bubblewrap command line, and the missing-bwrap error."""
+import asyncio
+import logging
+import os
+import sys
+
+import pytest
+
+from rao_jax.sandbox_host import (SandboxConfig, Sandbox, SandboxUnavailableError,
+                                  bwrap_available, jail, process, seccomp)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("isolation", "docker"), ("cell_timeout_s", 0), ("cell_timeout_s", -1.0),
+    ("max_output_chars", 0), ("memory_mb", 64), ("open_files", 4), ("processes", -1),
+    ("extra_ro_paths", ["/data"]), ("extra_ro_paths", ("relative/path",)),
+    ("python", "python3"), ("max_concurrent_spawns", True),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+  with pytest.raises(ValueError) as e:
+    SandboxConfig(**{field: value})
+  assert field in str(e.value)
+  assert repr(value) in str(e.value) or str(value) in str(e.value)
+
+
+def test_config_is_frozen():
+  cfg = SandboxConfig()
+  with pytest.raises(Exception):
+    cfg.cell_timeout_s = 5  # type: ignore[misc]
+
+
+def _bind_targets(argv):
+  """(src, dest) of every bind in a bwrap command line."""
+  out = []
+  for i, a in enumerate(argv):
+    if a in ("--ro-bind", "--bind", "--dev-bind", "--ro-bind-try", "--bind-try"):
+      out.append((argv[i + 1], argv[i + 2], a))
+  return out
+
+
+def test_bwrap_command_line_isolates_and_binds_only_what_python_needs():
+  argv = jail.bwrap_argv(SandboxConfig(), fd=7)
+  cmd = argv[:argv.index("--")]
+  for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv"):
+    assert flag in cmd
+  if os.geteuid() == 0:
+    assert cmd[cmd.index("--cap-drop") + 1] == "ALL"
+  assert "--share-net" not in cmd
+  binds = _bind_targets(cmd)
+  # Nothing writable from the host, and nothing bound from the home or the project folder
+  # at its own path; the REPL and the interpreter appear under neutral names.
+  assert all(kind == "--ro-bind" for _, _, kind in binds)
+  home = os.path.expanduser("~")
+  for src, dest, _ in binds:
+    assert not dest.startswith(REPO) and not dest.startswith(home), (src, dest)
+    assert not dest.startswith(sys.prefix), (src, dest)
+  dests = {dest for _, dest, _ in binds}
+  assert "/sandbox/repl.py" in dests and "/python/bin/python3" in dests
+  assert not any(d.startswith("/etc") and d != "/etc/ld.so.cache" for d in dests)
+  # A private, size-limited /tmp, and the root made read-only after all mounts.
+  i = cmd.index("--tmpfs", cmd.index("--size"))
+  assert cmd[i + 1] == "/tmp"
+  assert cmd[-2:] == ["--remount-ro", "/"]
+  # The REPL gets its fd, limits and the seccomp program as arguments.
+  tail = argv[argv.index("--") + 1:]
+  assert "fd=7" in tail and "memory_mb=1024" in tail
+  assert any(a.startswith("seccomp=") and len(a) > 100 for a in tail)
+
+
+def test_seccomp_program_is_compiled_once_and_well_formed():
+  prog = seccomp.filter_program()
+  assert len(prog) % 8 == 0 and len(prog) // 8 > 20
+  assert seccomp.filter_program() is prog
+
+
+def test_missing_bwrap_is_a_clear_error_naming_the_fix(monkeypatch):
+  monkeypatch.setattr(jail.shutil, "which", lambda name: None)
+  jail._bwrap_probe.cache_clear()
+  try:
+    assert not bwrap_available()
+    with pytest.raises(SandboxUnavailableError) as e:
+      asyncio.run(Sandbox.start(SandboxConfig(isolation="bwrap")))
+    msg = str(e.value)
+    assert "apt-get install bubblewrap" in msg
+    assert "isolation='process'" in msg
+  finally:
+    jail._bwrap_probe.cache_clear()
+
+
+def test_process_mode_is_never_silent(caplog, monkeypatch):
+  monkeypatch.setattr(process, "_warned_process_mode", False)
+
+  async def body():
+    sb = await Sandbox.start(SandboxConfig(isolation="process"))
+    try:
+      res = await sb.run_cell("print(6 * 7)")
+      assert res.output == "42\n"
+    finally:
+      await sb.close()
+
+  with caplog.at_level(logging.WARNING, logger="rao_jax.sandbox_host.process"):
+    asyncio.run(body())
+  assert any("isolation='process'" in r.getMessage() and "WITHOUT bubblewrap" in r.getMessage()
+             for r in caplog.records)
