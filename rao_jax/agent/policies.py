@@ -1,0 +1,335 @@
+"""Scripted policies: engines that write the code a good agent would.
+
+A scripted policy is an `Engine` (the rollout interface), so the runtime path is identical for a
+model and a script: it decodes the node's prompt tokens, reads the goal, the limits and what
+earlier observations revealed, and returns the token ids of its next turn (logprobs 0). It
+drives the runtime without a model, yields demonstrations for a supervised warm start
+(`demonstrations`), and, with a simulated latency per generated token, makes the runtime
+benchmark deterministic.
+
+`ScriptedTextCraftEngine` solves TextCraft and TextCraft-Synth tasks:
+  * single agent: `get_info` level by level down to base materials, then one cell that crafts
+    everything bottom-up and calls `finish`;
+  * recursive: `get_info` on its targets, then one cell that gathers one helper per deep
+    ingredient (plus one helper for the shallow craftable ones), crafts its targets from what
+    they made and finishes. Helpers whose targets are shallow (depth < `delegate_min_depth`)
+    work as single agents.
+It relies on a ChatML-style transcript only through markers it prints itself ("INFO ...").
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import collections
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from rao_jax.agent import records as R
+from rao_jax.rollout import base as rollout
+
+_TARGETS = re.compile(r"Craft the following items: ([^\n<]*)")
+_COUNT_ITEM = re.compile(r"(\d+)x ([\w:]+)")
+_INFO = re.compile(r"^INFO (\[.*\])$", re.MULTILINE)
+_BUDGET = re.compile(r"your step budget \(your turns plus your helpers' turns\) is (\d+)")
+_DEPTH = re.compile(r"you are at depth (\d+)")
+_DONE_MARK = "# crafting plan"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedConfig:
+  """Behaviour of the scripted TextCraft policy.
+
+  Attributes:
+    delegate_min_depth: a recursive node delegates when its deepest target has at least this
+      crafting depth; shallower targets it crafts itself.
+    token_latency_s: simulated seconds per generated token (the benchmark's clock); 0 = none.
+    weight_version: reported with every generation.
+  """
+  delegate_min_depth: int = 3
+  token_latency_s: float = 0.0
+  weight_version: int | str = "scripted"
+
+  def __post_init__(self):
+    if self.delegate_min_depth < 1:
+      raise ValueError(f"ScriptedConfig.delegate_min_depth={self.delegate_min_depth}: must be >= 1.")
+    if self.token_latency_s < 0:
+      raise ValueError(f"ScriptedConfig.token_latency_s={self.token_latency_s}: must be >= 0.")
+
+
+def parse_targets(text: str) -> dict[str, int]:
+  """{item: count} from the first "Craft the following items: ..." in `text`."""
+  m = _TARGETS.search(text)
+  if not m:
+    return {}
+  return {item: int(n) for n, item in _COUNT_ITEM.findall(m.group(1))}
+
+
+def _knowledge(text: str) -> dict[str, dict]:
+  known: dict[str, dict] = {}
+  for m in _INFO.finditer(text):
+    try:
+      infos = ast.literal_eval(m.group(1))
+    except (ValueError, SyntaxError):
+      continue
+    for info in infos:
+      if isinstance(info, dict) and "item" in info:
+        known[info["item"]] = info
+  return known
+
+
+def _recipe(info: Mapping[str, Any], known: Mapping[str, dict]) -> dict[str, int] | None:
+  """Concrete ingredients per craft of the item's first recipe (tags: the best-held member)."""
+  recipes = info.get("recipes") or []
+  if not recipes:
+    return None
+  out = {}
+  for ing, per in recipes[0]["ingredients"].items():
+    if isinstance(per, dict):   # a tag: {"count": n, "use_one_of": [...]}
+      members = per.get("use_one_of") or []
+      held = sorted(members, key=lambda x: -(known.get(x, {}).get("in_inventory", 0)))
+      craftable = [x for x in members if known.get(x, {}).get("can_craft")]
+      best = held[0] if held and known.get(held[0], {}).get("in_inventory", 0) else (
+          craftable[0] if craftable else (members[0] if members else ing))
+      out[best] = out.get(best, 0) + int(per["count"])
+    else:
+      out[ing] = out.get(ing, 0) + int(per)
+  return out
+
+
+def _tag_members_unknown(info: Mapping[str, Any], known: Mapping[str, dict]) -> list[str]:
+  out = []
+  for r in (info.get("recipes") or [])[:1]:
+    for per in r["ingredients"].values():
+      if isinstance(per, dict):
+        out += [x for x in per.get("use_one_of", []) if x not in known]
+  return out
+
+
+def plan_crafts(targets: Mapping[str, int], known: Mapping[str, dict],
+                use_inventory: bool) -> tuple[list[tuple[dict, str, int]], list[str]]:
+  """Bottom-up crafts for `targets` from known recipes, and the items still unknown.
+
+  Returns:
+    (steps, unknown): steps are (ingredients, item, total_count) deepest-dependency first; when
+    `unknown` is not empty the plan is incomplete and those items need `get_info` first.
+  """
+  # Demand flows from the targets down, in order of decreasing crafting depth, so an item's
+  # total demand is complete before its own ingredients are expanded.
+  need: collections.Counter = collections.Counter(targets)
+  unknown: list[str] = []
+  seen = set()
+  stack = list(targets)
+  while stack:   # closure through known recipes
+    x = stack.pop()
+    if x in seen:
+      continue
+    seen.add(x)
+    info = known.get(x)
+    if info is None:
+      unknown.append(x)
+      continue
+    unknown += [m for m in _tag_members_unknown(info, known) if m not in seen]
+    seen.update(_tag_members_unknown(info, known))
+    rec = _recipe(info, known)
+    if rec:
+      stack.extend(rec)
+  if unknown:
+    return [], sorted(set(unknown))
+
+  def depth(x):
+    d = known[x].get("crafting_depth")
+    return d if isinstance(d, int) else 0
+
+  have = {x: int(known[x].get("in_inventory", 0)) for x in known} if use_inventory else {}
+  order = sorted(seen, key=lambda x: (depth(x), x), reverse=True)
+  steps = []
+  for x in order:
+    info = known[x]
+    rec = _recipe(info, known)
+    if not rec or not info.get("can_craft"):
+      continue
+    short = need[x] - have.get(x, 0)
+    if short <= 0:
+      continue
+    rc = int(info["recipes"][0]["result_count"])
+    n = -(-short // rc)
+    for ing, per in rec.items():
+      need[ing] += per * n
+    steps.append(({ing: per * n for ing, per in rec.items()}, x, n * rc))
+  return steps[::-1], []
+
+
+def _fmt(d: Mapping[str, int]) -> str:
+  return "{" + ", ".join(f"{k!r}: {v}" for k, v in d.items()) + "}"
+
+
+def _summary(targets: Mapping[str, int]) -> str:
+  return ", ".join(f"{n}x {k}" for k, n in targets.items())
+
+
+def _craft_cell(steps, targets: Mapping[str, int], head: str = "") -> str:
+  lines = [head.rstrip("\n")] if head else []
+  lines += [_DONE_MARK, "results = []"]
+  lines += [f"results.append(craft({_fmt(ings)}, ({item!r}, {n})))" for ings, item, n in steps]
+  lines += ['print("\\n".join(results))',
+            'errors = [r for r in results if r.startswith("Error")]',
+            f'finish("Crafted {_summary(targets)}." if not errors else "Failed: " + errors[0])']
+  return "\n".join(lines)
+
+
+def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> str:
+  """The next turn (reasoning + one code block) of a good TextCraft agent, from its transcript."""
+  targets = parse_targets(prompt_text)
+  if not targets:
+    return "I cannot read the targets.\n```python\nfinish(\"Could not parse the goal.\")\n```"
+  if _DONE_MARK in prompt_text:
+    # The crafting cell ran but did not finish (an error stopped it): give up cleanly.
+    return ("The crafting cell did not complete.\n```python\n"
+            f"finish(\"Failed to craft {_summary(targets)}.\")\n```")
+  known = _knowledge(prompt_text)
+  can_launch = ("await launch_subagent(" in prompt_text
+                and "(you cannot launch helpers)" not in prompt_text)
+  missing = [t for t in targets if t not in known]
+  if missing:
+    return ("First I look up the recipes of my targets.\n```python\n"
+            f"print(\"INFO\", get_info({missing!r}))\n```")
+  depth = max((known[t].get("crafting_depth") or 0) for t in targets)
+  turns_taken = prompt_text.count("[turns left: ")
+  # Delegate right after reading the targets' recipes, or never: a node that started to work
+  # alone keeps going alone.
+  if can_launch and depth >= cfg.delegate_min_depth and turns_taken == 1:
+    turn = _delegate_turn(prompt_text, targets, known, cfg, depth)
+    if turn is not None:
+      return turn
+  # A helper shares the inventory with concurrent siblings: it must not count on items it did
+  # not make (a sibling may be about to use them), so only the root plans with the inventory.
+  m = _DEPTH.search(prompt_text)
+  steps, unknown = plan_crafts(targets, known, use_inventory=not (m and int(m.group(1)) > 0))
+  if unknown:
+    return ("I need the recipes of the ingredients.\n```python\n"
+            f"print(\"INFO\", get_info({unknown!r}))\n```")
+  return "I know every recipe; I craft bottom-up.\n```python\n" + _craft_cell(steps, targets) + "\n```"
+
+
+def _leaf_steps(depth: int) -> int:
+  """Turns a single agent needs for a target of this depth: get_info per level, one craft cell."""
+  return depth + 2
+
+
+def _estimate_steps(depth: int, delegate_min_depth: int) -> float:
+  """Rough steps of a subtree rooted at a target of this depth (for sharing a budget)."""
+  if depth < delegate_min_depth:
+    return float(_leaf_steps(depth))
+  return 2.0 + 2.5 * _estimate_steps(depth - 1, delegate_min_depth)
+
+
+def _delegate_turn(prompt_text: str, targets, known, cfg: ScriptedConfig,
+                   depth: int) -> str | None:
+  """The delegating cell, or None when the budget is too small to delegate."""
+  # What the targets need, per ingredient, for the crafts of the targets themselves.
+  need: collections.Counter = collections.Counter()
+  crafts = []
+  for t, count in targets.items():
+    info = known[t]
+    rec = _recipe(info, known) or {}
+    rc = int(info["recipes"][0]["result_count"]) if info.get("recipes") else 1
+    n = -(-count // rc)
+    for ing, per in rec.items():
+      need[ing] += per * n
+    crafts.append(({ing: per * n for ing, per in rec.items()}, t, n * rc))
+  deep, shallow = {}, {}
+  for ing, n in need.items():
+    info = known.get(ing)
+    d = info.get("crafting_depth") if info else None
+    if info is not None and (info.get("is_base") or not info.get("can_craft")):
+      continue   # base materials come from the inventory
+    if d is None or d >= cfg.delegate_min_depth - 1:
+      deep[ing] = n
+    else:
+      shallow[ing] = n
+  groups = [{ing: n} for ing, n in deep.items()] + ([shallow] if shallow else [])
+  m = _BUDGET.search(prompt_text)
+  budget = int(m.group(1)) if m else 0
+  avail = budget - 3   # the turn taken (get_info), this turn, and one spare
+
+  def group_depth(g):
+    # Ingredients are not looked up yet: assume one level below the target.
+    return max((known.get(i, {}).get("crafting_depth") or max(depth - 1, 1)) for i in g)
+
+  ests = [_estimate_steps(group_depth(g), cfg.delegate_min_depth) for g in groups]
+  if not groups or avail < sum(_leaf_steps(group_depth(g)) for g in groups):
+    return None   # not enough budget to delegate well: do it myself
+  shares = [max(_leaf_steps(group_depth(g)), int(avail * e / sum(ests)))
+            for g, e in zip(groups, ests)]
+  while sum(shares) > avail:   # the floors of small groups pushed it over: trim the largest
+    i = shares.index(max(shares))
+    if shares[i] <= _leaf_steps(group_depth(groups[i])):
+      return None
+    shares[i] -= 1
+  calls = [f"    launch_subagent({_fmt(g)}, {s})," for g, s in zip(groups, shares)]
+  head = ("reports = await asyncio.gather(\n" + "\n".join(calls) + "\n)\n"
+          'print("\\n".join(reports))\n')
+  return ("I delegate each large ingredient to a helper, concurrently, then craft my targets.\n"
+          "```python\n" + _craft_cell(crafts, targets, head=head) + "\n```")
+
+
+class ScriptedTextCraftEngine(rollout.Engine):
+  """The scripted TextCraft policy as an `Engine` (see the module docstring).
+
+  Args:
+    tokenizer: the runtime's tokenizer (decodes prompts, encodes turns).
+    cfg: policy behaviour and simulated latency.
+  """
+
+  def __init__(self, tokenizer: Any, cfg: ScriptedConfig = ScriptedConfig()):
+    self.tokenizer, self.cfg = tokenizer, cfg
+    stops = list(getattr(tokenizer, "stop_token_ids", []))
+    self._turn_end = stops[0] if stops else None
+    self.generated_tokens = 0
+    self.requests = 0
+
+  @property
+  def weight_version(self) -> int | str:
+    return self.cfg.weight_version
+
+  async def generate(self, request: rollout.GenerateRequest) -> rollout.GenerateResult:
+    prompt = self.tokenizer.decode(list(request.prompt_ids))
+    text = textcraft_turn(prompt, self.cfg)
+    ids = list(self.tokenizer.encode(text))
+    reason = rollout.FinishReason.STOP
+    if self._turn_end is not None:
+      ids.append(self._turn_end)
+    limit = request.params.max_new_tokens
+    if request.context_limit is not None:
+      limit = min(limit, request.context_limit - len(request.prompt_ids))
+    if len(ids) > limit:
+      ids = ids[:max(limit, 0)]
+      reason = (rollout.FinishReason.CONTEXT if request.context_limit is not None
+                and len(request.prompt_ids) + len(ids) >= request.context_limit
+                else rollout.FinishReason.LENGTH)
+    self.generated_tokens += len(ids)
+    self.requests += 1
+    if self.cfg.token_latency_s:
+      await asyncio.sleep(self.cfg.token_latency_s * len(ids))
+    return rollout.GenerateResult(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=reason,
+                                  weight_version=self.cfg.weight_version,
+                                  prompt_len=len(request.prompt_ids))
+
+
+def demonstrations(trees: list[R.TreeRecord], min_success: float = 1.0) -> list[dict[str, Any]]:
+  """Supervised warm-start examples from (scripted) trees: every node of a successful tree.
+
+  Each example is `{"token_ids", "loss_mask", "tree_id", "node_id", "depth"}`, where
+  `loss_mask` marks the generated tokens (the learner's SFT loss trains on exactly those).
+  """
+  out = []
+  for t in trees:
+    if (t.root.success or 0.0) < min_success:
+      continue
+    for n in t.nodes:
+      if (n.success or 0.0) < min_success:
+        continue
+      out.append({"token_ids": list(n.token_ids), "loss_mask": list(n.gen_mask),
+                  "tree_id": t.tree_id, "node_id": n.node_id, "depth": n.depth})
+  return out

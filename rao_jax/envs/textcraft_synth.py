@@ -1,0 +1,232 @@
+"""TextCraft-Synth: seeded synthetic crafting worlds, much deeper than Minecraft's recipes.
+
+Five material domains (metal ``m``, crystal ``c``, organic ``o``, arcane ``a``, tech ``t``) with
+generic item names ``<domain><index>_i<tier>`` (``m0_i1``) so an agent must call `get_info`
+instead of guessing recipes from names. Tier 0 items are base materials; an item of tier k has
+one ingredient of tier k - 1 (so its crafting depth is exactly k), often a second one of tier
+k - 1 or k - 2 and a base material; low tiers yield several items per craft, high tiers combine
+2-4 ingredients, and tiers 10-12 mix in another domain. Difficulty is the target's crafting depth: easy 2-3, medium 4-6,
+hard 7-9, extreme 10-12. Tasks use the TextCraft JSONL format (`textcraft.load_textcraft_jsonl`)
+with a 200-step budget.
+
+The initial inventory covers the "tree expansion" of the targets: every ingredient occurrence
+costed separately, rounded up per occurrence. That is at least what any plan following the
+recipe tree needs (a single agent merging equal intermediates needs less), so a recursive agent
+whose children each craft their own sub-targets from raw materials is never starved by a
+sibling, whatever the interleaving.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from typing import Any, Mapping, Sequence
+
+from rao_jax.envs import base
+from rao_jax.envs import textcraft as tc
+
+DOMAINS = ("m", "c", "o", "a", "t")
+MAX_TIER = 12
+DIFFICULTY_DEPTHS = {"easy": (2, 3), "medium": (4, 6), "hard": (7, 9), "extreme": (10, 12)}
+SYNTH_MAX_STEPS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthConfig:
+  """TextCraft-Synth world and task generation.
+
+  Attributes:
+    seed: seeds the recipe world; task splits derive their own seeds from it.
+    items_per_tier: items per domain at tier 0 (tier k has k fewer, at least 2).
+    tasks_per_difficulty: tasks per difficulty in each of the "train" and "test" splits.
+    max_targets: most distinct target items per task.
+    max_count: most units of one target item.
+    max_steps: the tree step budget of every task.
+    inventory_slack: extra fraction of each base material (0.1 = up to 10% more).
+  """
+  seed: int = 0
+  items_per_tier: int = 24
+  tasks_per_difficulty: int = 50
+  max_targets: int = 2
+  max_count: int = 2
+  max_steps: int = SYNTH_MAX_STEPS
+  inventory_slack: float = 0.1
+
+  def __post_init__(self):
+    if self.items_per_tier < 3:
+      raise ValueError(f"SynthConfig.items_per_tier={self.items_per_tier}: use >= 3 so recipes "
+                       "can pick distinct ingredients.")
+    for name in ("tasks_per_difficulty", "max_targets", "max_count", "max_steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"SynthConfig.{name}={getattr(self, name)}: must be >= 1.")
+    if not 0 <= self.inventory_slack <= 10:
+      raise ValueError(f"SynthConfig.inventory_slack={self.inventory_slack}: must be in [0, 10].")
+
+
+def _tier_count(items_per_tier: int, tier: int) -> int:
+  return max(2, items_per_tier - tier)
+
+
+def generate_world(seed: int = 0, items_per_tier: int = 24) -> tc.RecipeBook:
+  """A deterministic synthetic recipe world (one recipe per craftable item).
+
+  An item of tier k >= 2 takes one or two craftable ingredients (one of tier k - 1, the other
+  of tier k - 1 or k - 2; two with probability 0.7, so a target's recipe tree branches about
+  1.7 ways per level) plus, often, a base material; tiers 10-12 add a craftable ingredient of
+  another domain. Wide tiers (`items_per_tier`) keep sub-trees of one target mostly disjoint,
+  which is what makes deep targets both long for one agent and parallelisable across helpers.
+  """
+  rng = random.Random(f"textcraft-synth-world-{seed}")
+  by_tier: dict[str, list[list[str]]] = {
+      d: [[f"{d}{i}_i{k}" for i in range(_tier_count(items_per_tier, k))]
+          for k in range(MAX_TIER + 1)] for d in DOMAINS}
+  recipes = []
+  for d in DOMAINS:
+    for k in range(1, MAX_TIER + 1):
+      for item in by_tier[d][k]:
+        if k == 1:
+          chosen = rng.sample(by_tier[d][0], rng.randint(1, 2))
+        else:
+          chosen = [rng.choice(by_tier[d][k - 1])]   # pins the crafting depth to k
+          if rng.random() < 0.7:
+            t = k - 1 if (k == 2 or rng.random() < 0.6) else k - 2
+            chosen.append(rng.choice([x for x in by_tier[d][t] if x not in chosen]))
+          if k >= 10:   # top tiers mix domains
+            other = rng.choice([x for x in DOMAINS if x != d])
+            chosen.append(rng.choice(by_tier[other][k - rng.choice((1, 2))]))
+          if rng.random() < 0.6:
+            chosen.append(rng.choice(by_tier[d][0]))
+        ings = {x: (rng.randint(1, 2) if k <= 3 else 1) for x in chosen}
+        rc = rng.randint(2, 4) if k == 1 else rng.randint(1, 2) if k <= 3 else 1
+        recipes.append(tc.Recipe(item, ings, rc))
+  base_items = [x for d in DOMAINS for x in by_tier[d][0]]
+  return tc.RecipeBook(recipes, tags={}, extra_items=base_items)
+
+
+def tree_expansion_needs(book: tc.RecipeBook, targets: Mapping[str, int]) -> collections.Counter:
+  """Base materials needed when every ingredient occurrence is crafted on its own."""
+  need: collections.Counter = collections.Counter()
+
+  def expand(item: str, count: int):
+    rs = book.recipes.get(item)
+    if not rs:
+      need[item] += count
+      return
+    r = rs[0]
+    n = -(-count // r.result_count)
+    for ing, per in r.ingredients.items():
+      expand(ing, per * n)
+
+  for item, count in targets.items():
+    expand(item, count)
+  return need
+
+
+def merged_plan(book: tc.RecipeBook, targets: Mapping[str, int],
+                inventory: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+  """The bottom-up plan of a single agent: each intermediate crafted once, deepest last.
+
+  Returns gold-trajectory steps `{"action": "craft", "target": [item, crafts],
+  "ingredients": {...totals}, "result_count": produced}` (the TextCraft data format).
+  """
+  inventory = dict(inventory or {})
+  order = sorted(_closure(book, targets), key=lambda x: (book.depth(x) or 0, x), reverse=True)
+  need: collections.Counter = collections.Counter(targets)
+  plan = []
+  for item in order:   # deepest first: an item's total demand is known before its ingredients'
+    r = book.recipes.get(item, [None])[0]
+    if r is None:
+      continue
+    short = need[item] - inventory.get(item, 0)
+    if short <= 0:
+      continue
+    n = -(-short // r.result_count)
+    for ing, per in r.ingredients.items():
+      need[ing] += per * n
+    plan.append({"action": "craft", "target": [item, n],
+                 "ingredients": {ing: per * n for ing, per in r.ingredients.items()},
+                 "result_count": n * r.result_count})
+  return plan[::-1]
+
+
+def _closure(book: tc.RecipeBook, targets: Mapping[str, int]) -> set[str]:
+  seen, stack = set(), list(targets)
+  while stack:
+    x = stack.pop()
+    if x in seen:
+      continue
+    seen.add(x)
+    for r in book.recipes.get(x, [])[:1]:
+      stack.extend(r.ingredients)
+  return seen
+
+
+def generate_tasks(book: tc.RecipeBook, difficulty: str, n: int, seed: int,
+                   cfg: SynthConfig = SynthConfig(), split: str = "train",
+                   exclude: set | None = None) -> list[base.Task]:
+  """`n` distinct tasks of one difficulty, deterministic in `seed`."""
+  if difficulty not in DIFFICULTY_DEPTHS:
+    raise ValueError(f"difficulty={difficulty!r}: expected one of {sorted(DIFFICULTY_DEPTHS)}.")
+  lo, hi = DIFFICULTY_DEPTHS[difficulty]
+  candidates = sorted(x for x in book.recipes if lo <= (book.depth(x) or 0) <= hi)
+  rng = random.Random(f"textcraft-synth-tasks-{seed}-{split}-{difficulty}")
+  exclude = exclude if exclude is not None else set()
+  tasks, tries = [], 0
+  while len(tasks) < n:
+    tries += 1
+    if tries > 100 * n:
+      raise ValueError(f"generate_tasks: could not find {n} distinct {difficulty} tasks; lower "
+                       "SynthConfig.tasks_per_difficulty or raise max_targets / max_count.")
+    k = rng.randint(1, min(cfg.max_targets, len(candidates)))
+    items = rng.sample(candidates, k)
+    # The first target sets the difficulty; keep the others no deeper.
+    targets = {x: rng.randint(1, cfg.max_count) for x in items}
+    key = tuple(sorted(targets.items()))
+    if key in exclude:
+      continue
+    exclude.add(key)
+    need = tree_expansion_needs(book, targets)
+    inv = {x: c + rng.randint(0, int(c * cfg.inventory_slack)) for x, c in sorted(need.items())}
+    base_items = sorted(x for x in book.items if book.is_base(x) and x not in inv)
+    for x in rng.sample(base_items, min(len(base_items), rng.randint(1, 3))):
+      inv[x] = rng.randint(1, 5)   # distractors
+    depth = max(book.depth(x) for x in targets)
+    tasks.append(base.Task(
+        task_id=f"textcraft_synth.{split}.{difficulty}.{len(tasks)}", env="textcraft_synth",
+        goal=tc.targets_goal(targets), difficulty=difficulty, max_steps=cfg.max_steps,
+        fields={"target_items": targets, "initial_inventory": inv,
+                "gold_trajectory": merged_plan(book, targets, inv), "crafting_depth": depth}))
+  return tasks
+
+
+class TextCraftSynthEnv(tc.TextCraftEnv):
+  """TextCraft tools and verifiers on a generated world.
+
+  Splits: "train", "test" (all difficulties) and "train/<difficulty>", "test/<difficulty>".
+  Train and test tasks never share a (targets, counts) combination.
+  """
+
+  name = "textcraft_synth"
+
+  def __init__(self, cfg: SynthConfig = SynthConfig(),
+               tasks_by_split: Mapping[str, Sequence[base.Task]] | None = None):
+    self.cfg = cfg
+    super().__init__(book=generate_world(cfg.seed, cfg.items_per_tier),
+                     tasks_by_split=tasks_by_split)
+
+  def tasks(self, split: str = "train") -> Sequence[base.Task]:
+    if self._tasks is None:
+      self._tasks = {}
+      seen: set = set()
+      for s in ("train", "test"):
+        every = []
+        for diff in DIFFICULTY_DEPTHS:
+          ts = generate_tasks(self.book, diff, self.cfg.tasks_per_difficulty, self.cfg.seed,
+                              self.cfg, split=s, exclude=seen)
+          self._tasks[f"{s}/{diff}"] = ts
+          every.extend(ts)
+        self._tasks[s] = every
+    if split not in self._tasks:
+      raise ValueError(f"TextCraftSynthEnv.tasks(split={split!r}): known splits "
+                       f"{sorted(self._tasks)}.")
+    return self._tasks[split]
