@@ -1,10 +1,10 @@
 """The policy model: Llama-family decoder in Flax NNX, weights (GGUF, HF), tokenizer, sharding.
 
-READ FIRST (from the lead, for the engineer writing this package): other engineers are coding
-against the API contract below RIGHT NOW; keep these names and semantics. Also read AGENTS.md
-at the repository root (git rules: commit only your own paths, never `git add -A`).
+Modules: config (ModelConfig), transformer (the NNX model, token_logprobs), weights (registry,
+GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free tokenizer and chat
+template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line chat).
 
-    ## The model API contract (other helpers code against this; keep these names and semantics)
+    ## The model API
     
     ```python
     from flax import nnx
@@ -49,3 +49,16 @@ at the repository root (git rules: commit only your own paths, never `git add -A
     with axes ("data", "fsdp", "tensor") plus helpers to get PartitionSpecs/NamedShardings for a
     model state and for batches. All PartitionSpecs of the package live in that module.
 """
+
+from rao_jax.model.config import ModelConfig, RopeScaling, UnsupportedModelError
+from rao_jax.model.transformer import Transformer, make_packed_inputs, token_logprobs
+from rao_jax.model.tokenizer import Tokenizer
+from rao_jax.model.weights import (CheckpointMismatchError, WeightFileError, export_hf,
+                                   known_models, load_model, load_pretrained,
+                                   resolve_model_path)
+
+__all__ = [
+    "ModelConfig", "RopeScaling", "UnsupportedModelError", "Transformer", "token_logprobs",
+    "make_packed_inputs", "Tokenizer", "load_pretrained", "load_model", "export_hf",
+    "known_models", "resolve_model_path", "CheckpointMismatchError", "WeightFileError",
+]

@@ -1,0 +1,347 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3) in Flax NNX.
+
+Parameters of the L blocks are stacked along a leading "layers" axis and run with ``lax.scan``
+(one compiled block, fast compiles) or unrolled (``cfg.scan_layers=False``). All three call
+paths share the same parameters:
+
+  * ``model(tokens_BxT, positions_BxT, segment_ids_BxT)``: full forward over packed rows;
+  * ``model.forward_cached(tokens_BxT, positions_BxT, cache, write_index_B)``: prefill (T > 1)
+    and decode (T = 1) against a KV cache.
+
+Einsum letters follow the package legend (B T S D F V H K h L); ``g`` is the number of query
+heads that share one key/value head (H = K * g).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rao_jax.model.config import ModelConfig, rope_inv_freq
+
+Cache = dict[str, jax.Array]   # {"k": LxBxSxKxh, "v": LxBxSxKxh}
+
+# Large negative instead of -inf: a fully masked row then gives a finite (uniform) softmax, so
+# padding never produces NaNs that could leak into gradients through a 0 * NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# Names (and logical sharding axes) of the per-layer parameters, stacked over "layers".
+LAYER_PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "q_heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "q_heads", "head_dim", "embed"),
+    "bq": ("layers", "q_heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "bo": ("layers", "norm"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "mlp_norm": ("layers", "norm"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Shapes of the stacked per-layer parameters this config uses."""
+  L, D, F, H, K, h = (cfg.n_layers, cfg.d_model, cfg.mlp_dim, cfg.n_heads, cfg.n_kv_heads,
+                      cfg.head_dim)
+  shapes = {
+      "attn_norm": (L, D), "wq": (L, D, H, h), "wk": (L, D, K, h), "wv": (L, D, K, h),
+      "wo": (L, H, h, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F),
+      "w_down": (L, F, D),
+  }
+  if cfg.qkv_bias:
+    shapes.update(bq=(L, H, h), bk=(L, K, h), bv=(L, K, h))
+  if cfg.o_bias:
+    shapes["bo"] = (L, D)
+  if cfg.qk_norm:
+    shapes.update(q_norm=(L, h), k_norm=(L, h))
+  return shapes
+
+
+def _param(value, axes: tuple[str, ...]) -> nnx.Param:
+  # Logical axis names only (no eager placement): rao_jax.model.sharding maps them to a mesh.
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _init_for(name: str, shape, fan_in: int):
+  if name.endswith("norm"):
+    return lambda key, s, d: jnp.ones(s, d)
+  if name.startswith("b"):
+    return lambda key, s, d: jnp.zeros(s, d)
+  return nnx.initializers.normal(stddev=fan_in ** -0.5)
+
+
+class Layers(nnx.Module):
+  """The L decoder blocks' parameters, stacked along a leading "layers" axis."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    fan_in = {"wq": cfg.d_model, "wk": cfg.d_model, "wv": cfg.d_model,
+              "wo": cfg.n_heads * cfg.head_dim, "w_gate": cfg.d_model, "w_up": cfg.d_model,
+              "w_down": cfg.mlp_dim}
+    for name, shape in layer_param_shapes(cfg).items():
+      init = _init_for(name, shape, fan_in.get(name, 1))
+      value = init(rngs.params(), shape, cfg.jnp_param_dtype)
+      setattr(self, name, _param(value, LAYER_PARAM_AXES[name]))
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in LAYER_PARAM_AXES if hasattr(self, name)}
+
+
+def rms_norm(x, weight, eps: float):
+  """RMSNorm computed in float32, cast back to x's dtype before the weight (as HF does)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions_BxT):
+  """cos/sin tables [B, T, h] (float32) for the given positions, HF "rotate_half" layout."""
+  inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+  ang_BxTxh2 = positions_BxT.astype(jnp.float32)[..., None] * inv
+  ang_BxTxh = jnp.concatenate([ang_BxTxh2, ang_BxTxh2], axis=-1)
+  return jnp.cos(ang_BxTxh), jnp.sin(ang_BxTxh)
+
+
+def apply_rope(x_BxTxNxh, cos_BxTxh, sin_BxTxh):
+  x = x_BxTxNxh.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BxTxh[:, :, None, :] + rotated * sin_BxTxh[:, :, None, :]
+  return out.astype(x_BxTxNxh.dtype)
+
+
+def _attention(q_BxTxHxh, k_BxSxKxh, v_BxSxKxh, mask_BxTxS, dtype):
+  """Grouped-query attention; softmax in float32."""
+  B, T, H, h = q_BxTxHxh.shape
+  K = k_BxSxKxh.shape[2]
+  q = q_BxTxHxh.reshape(B, T, K, H // K, h) * jnp.asarray(h ** -0.5, dtype)
+  scores = jnp.einsum("BTKgh,BSKh->BKgTS", q, k_BxSxKxh,
+                      preferred_element_type=jnp.float32)
+  scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("BKgTS,BSKh->BTKgh", probs, v_BxSxKxh)
+  return out.reshape(B, T, H, h)
+
+
+def _qkv(cfg: ModelConfig, p, x_BxTxD, cos, sin):
+  dt = cfg.jnp_dtype
+  y = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_eps)
+  q = jnp.einsum("BTD,DHh->BTHh", y, p["wq"].astype(dt))
+  k = jnp.einsum("BTD,DKh->BTKh", y, p["wk"].astype(dt))
+  v = jnp.einsum("BTD,DKh->BTKh", y, p["wv"].astype(dt))
+  if cfg.qkv_bias:
+    q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
+  dt = cfg.jnp_dtype
+  o = jnp.einsum("BTHh,HhD->BTD", attn_BxTxHxh, p["wo"].astype(dt))
+  if cfg.o_bias:
+    o = o + p["bo"].astype(dt)
+  x = x_BxTxD + o
+  y = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+  gate = jnp.einsum("BTD,DF->BTF", y, p["w_gate"].astype(dt))
+  up = jnp.einsum("BTD,DF->BTF", y, p["w_up"].astype(dt))
+  return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+
+
+def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, mask_BxTxT):
+  q, k, v = _qkv(cfg, p, x_BxTxD, cos, sin)
+  return _post_attention(cfg, p, x_BxTxD, _attention(q, k, v, mask_BxTxT, cfg.jnp_dtype))
+
+
+def _remat(cfg: ModelConfig, fn):
+  if cfg.remat == "full":
+    return jax.checkpoint(fn)
+  if cfg.remat == "dots":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return fn
+
+
+class Transformer(nnx.Module):
+  """The policy: token embeddings, L decoder blocks, final RMSNorm, LM head.
+
+  Args:
+    cfg: the ModelConfig.
+    rngs: ``nnx.Rngs`` for random initialisation (real weights are loaded over these).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = cfg.jnp_param_dtype
+    self.embed = _param(
+        nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.vocab_size, cfg.d_model), pdt),
+        ("vocab", "embed"))
+    self.layers = Layers(cfg, rngs)
+    self.final_norm = _param(jnp.ones((cfg.d_model,), pdt), ("norm",))
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(
+          nnx.initializers.normal(stddev=cfg.d_model ** -0.5)(
+              rngs.params(), (cfg.vocab_size, cfg.d_model), pdt),
+          ("vocab", "embed"))
+
+  # ---- helpers ---------------------------------------------------------------------------------
+  def head_weight(self) -> jax.Array:
+    """The [V, D] output projection (the embedding table when tied)."""
+    return (self.embed if self.cfg.tie_embeddings else self.lm_head)[...]
+
+  def _embed(self, tokens_BxT):
+    return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
+
+  def _run_layers(self, x, layer_fn, xs_extra=None):
+    """Applies ``layer_fn(params_of_one_layer, x, extra) -> (x, y)`` over the L layers."""
+    params = self.layers.arrays()
+    if self.cfg.scan_layers:
+      return jax.lax.scan(lambda c, a: layer_fn(a[0], c, a[1]), x, (params, xs_extra))
+    ys = []
+    for i in range(self.cfg.n_layers):
+      p_i = {k: v[i] for k, v in params.items()}
+      extra_i = None if xs_extra is None else jax.tree.map(lambda a: a[i], xs_extra)
+      x, y = layer_fn(p_i, x, extra_i)
+      ys.append(y)
+    if ys[0] is None:
+      return x, None
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+  # ---- 1) full forward over packed rows -------------------------------------------------------
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT):
+    """Final-normed hidden states [B, T, D] (dtype cfg.dtype) of packed rows.
+
+    Args:
+      tokens_BxT: int token ids.
+      positions_BxT: int position of each token within its segment (RoPE uses these).
+      segment_ids_BxT: int; tokens attend causally and only within the same segment id.
+        0 marks padding (padding attends only to padding, so nothing real ever reads it).
+    """
+    return self.forward_embeddings(self._embed(tokens_BxT), positions_BxT, segment_ids_BxT)
+
+  def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+    """As ``__call__`` but from input embeddings [B, T, D] instead of token ids."""
+    cfg = self.cfg
+    T = x_BxTxD.shape[1]
+    idx = jnp.arange(T)
+    mask_BxTxT = ((segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+                  & (idx[:, None] >= idx[None, :])[None])
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    block = _remat(cfg, functools.partial(_block, cfg))
+    x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype),
+                            lambda p, x, _: (block(p, x, cos, sin, mask_BxTxT), None))
+    return rms_norm(x, self.final_norm[...], cfg.rms_eps)
+
+  def logits(self, hidden_BxTxD):
+    """float32 logits [..., V] for final-normed hidden states."""
+    w = self.head_weight().astype(self.cfg.jnp_dtype)
+    return jnp.einsum("...D,VD->...V", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+
+  # ---- 2) + 3) KV cache -----------------------------------------------------------------------
+  def init_cache(self, batch_size: int, max_len: int) -> Cache:
+    """An empty KV cache: {"k", "v"} each [L, B, S, K, h] in cfg.dtype."""
+    cfg = self.cfg
+    shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.jnp_dtype), "v": jnp.zeros(shape, cfg.jnp_dtype)}
+
+  def forward_cached(self, tokens_BxT, positions_BxT, cache: Cache, write_index_B):
+    """Prefill (T > 1) or decode (T = 1) against the KV cache.
+
+    Writes the T new tokens' keys/values into slots [write_index_B[b], write_index_B[b] + T) of
+    row b; query i of row b attends to slots j <= write_index_B[b] + i. Rows are independent.
+    The caller keeps write_index_B[b] + T <= S (slots past S would be dropped).
+
+    Returns:
+      (final-normed hidden [B, T, D], the updated cache).
+    """
+    cfg = self.cfg
+    B, T = tokens_BxT.shape
+    S = cache["k"].shape[2]
+    write_index_B = jnp.asarray(write_index_B, jnp.int32)
+    slots_BxT = write_index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    mask_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slots_BxT[:, :, None]
+    rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+
+    def layer(p, x, kv):
+      k_cache, v_cache = kv
+      q, k, v = _qkv(cfg, p, x, cos, sin)
+      k_cache = k_cache.at[rows_BxT, slots_BxT].set(k.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[rows_BxT, slots_BxT].set(v.astype(v_cache.dtype), mode="drop")
+      attn = _attention(q, k_cache, v_cache, mask_BxTxS, cfg.jnp_dtype)
+      return _post_attention(cfg, p, x, attn), (k_cache, v_cache)
+
+    x, (k_new, v_new) = self._run_layers(self._embed(tokens_BxT), layer,
+                                         (cache["k"], cache["v"]))
+    return rms_norm(x, self.final_norm[...], cfg.rms_eps), {"k": k_new, "v": v_new}
+
+
+# ---- log-probs of target tokens, chunked ---------------------------------------------------------
+def _chunk_logprobs(hidden_NxD, targets_N, w_VxD, temperature):
+  logits_NxV = jnp.einsum("ND,VD->NV", hidden_NxD, w_VxD, preferred_element_type=jnp.float32)
+  logits_NxV = logits_NxV / temperature
+  lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
+  tgt_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
+  return tgt_N - lse_N
+
+
+def token_logprobs(model: Transformer, hidden_BxTxD, targets_BxT, temperature: float = 1.0,
+                   chunk: int | None = None):
+  """log softmax(logits / temperature)[target] per position, float32 [B, T].
+
+  The B*T positions are processed in chunks of ``chunk`` tokens (default cfg.logits_chunk);
+  each chunk's [chunk, V] logits are recomputed in the backward pass instead of stored, so no
+  full [B, T, V] float32 array is ever materialised. Differentiable w.r.t. hidden and weights.
+
+  Args:
+    model: the Transformer (its LM head is used).
+    hidden_BxTxD: final-normed hidden states from ``model(...)`` or ``forward_cached``.
+    targets_BxT: int target ids (any value at masked positions; they are still computed).
+    temperature: softmax temperature (a float or a scalar array; > 0).
+    chunk: tokens per chunk.
+  """
+  B, T, D = hidden_BxTxD.shape
+  n = B * T
+  chunk = min(chunk or model.cfg.logits_chunk, n)
+  w = model.head_weight().astype(model.cfg.jnp_dtype)
+  h_NxD = hidden_BxTxD.reshape(n, D)
+  t_N = targets_BxT.reshape(n).astype(jnp.int32)
+  temperature = jnp.asarray(temperature, jnp.float32)
+  if chunk >= n:
+    return _chunk_logprobs(h_NxD, t_N, w, temperature).reshape(B, T)
+  n_chunks = -(-n // chunk)
+  pad = n_chunks * chunk - n
+  h = jnp.pad(h_NxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+  t = jnp.pad(t_N, (0, pad)).reshape(n_chunks, chunk)
+  fn = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, tc, w, temperature))
+  out = jax.lax.map(lambda a: fn(*a), (h, t))
+  return out.reshape(-1)[:n].reshape(B, T)
+
+
+def make_packed_inputs(lengths_per_row: list[list[int]], T: int):
+  """positions and segment ids [B, T] (numpy) for rows packed with segments of given lengths."""
+  B = len(lengths_per_row)
+  positions = np.zeros((B, T), np.int32)
+  segments = np.zeros((B, T), np.int32)
+  for b, lengths in enumerate(lengths_per_row):
+    start = 0
+    for s, n in enumerate(lengths):
+      if start + n > T:
+        raise ValueError(f"row {b}: segments {lengths} do not fit in T={T}.")
+      positions[b, start:start + n] = np.arange(n)
+      segments[b, start:start + n] = s + 1
+      start += n
+  return positions, segments
+
+
+def count_params(model: Any) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,223 @@
+"""Fast property tests of the policy model on tiny random configs derived from the real one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rao_jax.model import ModelConfig, Transformer, make_packed_inputs, token_logprobs
+from rao_jax.model.config import RopeScaling, UnsupportedModelError, rope_inv_freq
+from rao_jax.testing import SMOLLM2_135M_CONFIG, smollm2_config, tiny_config
+
+# Architecture variants: SmolLM2 (Llama, tied), Qwen2 (qkv biases, untied), Qwen3 (QK-norm),
+# Llama 3.1 (rope scaling, untied).
+VARIANTS = {
+    "llama": {},
+    "qwen2": dict(architecture="Qwen2ForCausalLM", qkv_bias=True, tie_embeddings=False),
+    "qwen3": dict(architecture="Qwen3ForCausalLM", qk_norm=True),
+    "llama31": dict(tie_embeddings=False, qkv_bias=True, o_bias=True,
+                    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
+}
+
+
+def _model(variant="llama", seed=0, **kw):
+  cfg = tiny_config(**{**VARIANTS[variant], **kw})
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  # Non-trivial norms and biases so the tests see them.
+  for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo"):
+    if hasattr(model.layers, name):
+      var = getattr(model.layers, name)
+      noise = jax.random.normal(jax.random.key(hash(name) % 1000), var.shape)
+      var.set_value(var[...] + 0.3 * noise)
+  return model
+
+
+@nnx.jit
+def _forward(model, tokens, positions, segments):
+  return model(tokens, positions, segments)
+
+
+@nnx.jit
+def _logprobs(model, hidden, targets):
+  return token_logprobs(model, hidden, targets)
+
+
+def _tokens(B, T, seed=1):
+  return jax.random.randint(jax.random.key(seed), (B, T), 0, 49152)
+
+
+def test_tiny_is_derived_from_real_config():
+  real = smollm2_config()
+  tiny = real.tiny()
+  assert tiny.vocab_size == real.vocab_size == 49152
+  assert tiny.tie_embeddings and not tiny.qk_norm and not tiny.qkv_bias
+  assert tiny.rope_theta == real.rope_theta == 100000.0
+  assert tiny.n_heads // tiny.n_kv_heads == real.n_heads // real.n_kv_heads == 3
+  assert tiny.n_layers == 2 and tiny.d_model < real.d_model
+  assert real.n_params == 134_515_008  # SmolLM2-135M, tied embeddings
+
+
+def test_hf_config_variants_and_errors():
+  q2 = ModelConfig.from_hf_config({**SMOLLM2_135M_CONFIG, "architectures": ["Qwen2ForCausalLM"],
+                                   "tie_word_embeddings": False})
+  assert q2.qkv_bias and not q2.o_bias and not q2.qk_norm and not q2.tie_embeddings
+  q3 = ModelConfig.from_hf_config({**SMOLLM2_135M_CONFIG, "architectures": ["Qwen3ForCausalLM"],
+                                   "head_dim": 128})
+  assert q3.qk_norm and q3.head_dim == 128 and not q3.qkv_bias
+  l3 = ModelConfig.from_hf_config({**SMOLLM2_135M_CONFIG, "rope_scaling": {
+      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}})
+  assert l3.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+  # Round trip through the exported config.json dict.
+  for cfg in (q2, q3, l3, smollm2_config()):
+    assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+  with pytest.raises(UnsupportedModelError, match="MistralForCausalLM.*supported"):
+    ModelConfig.from_hf_config({**SMOLLM2_135M_CONFIG, "architectures": ["MistralForCausalLM"]})
+  with pytest.raises(UnsupportedModelError, match="yarn"):
+    ModelConfig.from_hf_config({**SMOLLM2_135M_CONFIG,
+                                "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+  with pytest.raises(ValueError, match="n_heads=9 must be a multiple of n_kv_heads=4"):
+    smollm2_config(n_kv_heads=4)
+  with pytest.raises(ValueError, match="ModelConfig.dtype='fp8'"):
+    smollm2_config(dtype="fp8")
+
+
+def test_llama3_rope_scaling_matches_reference_values():
+  # Hand-checked against the Llama 3.1 recipe: high frequencies unchanged, low ones / factor.
+  cfg = smollm2_config(rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0,
+                                                                      8192))
+  base = 1.0 / (500000.0 ** (np.arange(0, 64, 2) / 64))
+  inv = rope_inv_freq(cfg)
+  wavelen = 2 * np.pi / base
+  np.testing.assert_allclose(inv[wavelen < 8192 / 4], base[wavelen < 8192 / 4])
+  np.testing.assert_allclose(inv[wavelen > 8192], base[wavelen > 8192] / 8)
+  mid = (wavelen >= 2048) & (wavelen <= 8192)
+  assert np.all(inv[mid] <= base[mid]) and np.all(inv[mid] >= base[mid] / 8)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cached_decode_equals_full_forward(variant):
+  model = _model(variant)
+  B, T, S = 3, 12, 20
+  tokens = _tokens(B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  full = _forward(model, tokens, pos, jnp.ones((B, T), jnp.int32))
+  fwd = nnx.jit(lambda m, t, p, c, w: m.forward_cached(t, p, c, w), donate_argnums=3)
+  # Rows are at different lengths: prefill row b with P_b tokens (padded to 7), then decode.
+  P = np.array([7, 4, 5])
+  cache = model.init_cache(B, S)
+  pre_tok = jnp.where(jnp.arange(7)[None] < P[:, None], tokens[:, :7], 0)
+  h, cache = fwd(model, pre_tok, pos[:, :7], cache, jnp.zeros(B, jnp.int32))
+  for b in range(B):
+    np.testing.assert_allclose(h[b, :P[b]], full[b, :P[b]], atol=1e-4, rtol=0)
+  got = [[h[b, i] for i in range(P[b])] for b in range(B)]
+  w = P.copy()
+  while min(w) < T:
+    t = tokens[np.arange(B), np.minimum(w, T - 1)][:, None]
+    h, cache = fwd(model, t, jnp.asarray(w)[:, None], cache, jnp.asarray(w))
+    for b in range(B):
+      if w[b] < T:
+        got[b].append(h[b, 0])
+    w = w + 1
+  for b in range(B):
+    np.testing.assert_allclose(jnp.stack(got[b][:T]), full[b], atol=1e-4, rtol=0)
+
+
+def test_packed_rows_equal_separate_rows():
+  model = _model("qwen3")
+  lengths = [5, 3, 6]
+  T = 16
+  positions, segments = make_packed_inputs([lengths], T)
+  tokens = _tokens(1, T)
+  packed = _forward(model, tokens, jnp.asarray(positions), jnp.asarray(segments))
+  packed_lp = _logprobs(model, packed, tokens)
+  start = 0
+  for n in lengths:
+    seg_tok = tokens[:, start:start + n]
+    alone = _forward(model, seg_tok, jnp.arange(n)[None], jnp.ones((1, n), jnp.int32))
+    np.testing.assert_allclose(packed[:, start:start + n], alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed_lp[:, start:start + n],
+                               _logprobs(model, alone, seg_tok), atol=1e-5, rtol=0)
+    start += n
+
+
+def test_causality_via_gradients():
+  model = _model("llama31")
+  B, T = 2, 10
+  positions, segments = make_packed_inputs([[4, 6], [10]], T)
+  tokens = _tokens(B, T)
+  emb = jnp.take(model.embed[...], tokens, axis=0)
+
+  def out_at(x_BxTxD, b, t):
+    h = model.forward_embeddings(x_BxTxD, jnp.asarray(positions), jnp.asarray(segments))
+    return h[b, t].sum()
+
+  grad = jax.jit(jax.grad(out_at), static_argnums=(1, 2))
+  for b, t in [(0, 2), (0, 5), (1, 7)]:
+    g = grad(emb, b, t)
+    influence = np.abs(np.asarray(g)).sum(-1)   # [B, T]
+    seg = segments[b]
+    for bb in range(B):
+      for tt in range(T):
+        allowed = bb == b and tt <= t and seg[tt] == seg[t]
+        assert (influence[bb, tt] > 0) == allowed, (b, t, bb, tt)
+
+
+def test_token_logprobs_chunked_equals_full_with_gradients():
+  model = _model("qwen2")
+  B, T = 2, 9
+  tokens = _tokens(B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+
+  def loss(m, chunk, temp):
+    h = m(tokens, pos, seg)
+    return -token_logprobs(m, h, tokens, temperature=temp, chunk=chunk).mean()
+
+  def reference(m, temp):
+    h = m(tokens, pos, seg)
+    lp = jax.nn.log_softmax(m.logits(h) / temp, axis=-1)
+    return -jnp.take_along_axis(lp, tokens[..., None], -1).mean()
+
+  ref_fn = nnx.jit(nnx.value_and_grad(reference))
+  loss_fn = nnx.jit(nnx.value_and_grad(loss), static_argnums=1)
+  for temp in (1.0, 0.7):
+    ref_l, ref_g = ref_fn(model, temp)
+    for chunk in (7, 1000):
+      l, g = loss_fn(model, chunk, temp)
+      np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+  h = _forward(model, tokens, pos, seg)
+  assert _logprobs(model, h, tokens).dtype == jnp.float32
+
+
+def test_scan_and_unrolled_layers_agree():
+  a = _model("qwen2")
+  b = Transformer(a.cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))
+  nnx.update(b, nnx.state(a))
+  tokens = _tokens(2, 8)
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  seg = jnp.ones((2, 8), jnp.int32)
+  np.testing.assert_allclose(_forward(a, tokens, pos, seg), _forward(b, tokens, pos, seg),
+                             atol=1e-5, rtol=0)
+  grad = nnx.jit(nnx.grad(lambda m: (m(tokens, pos, seg) ** 2).mean()))
+  ga = grad(a)
+  for remat in ("full", "dots"):
+    c = Transformer(a.cfg.replace(remat=remat), rngs=nnx.Rngs(0))
+    nnx.update(c, nnx.state(a))
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(grad(c))):
+      np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_bfloat16_params_and_activations_with_float32_logits():
+  model = _model("llama", param_dtype="bfloat16", dtype="bfloat16")
+  assert model.embed[...].dtype == jnp.bfloat16
+  assert model.layers.wq[...].dtype == jnp.bfloat16
+  tokens = _tokens(2, 8)
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  h = _forward(model, tokens, pos, jnp.ones((2, 8), jnp.int32))
+  assert h.dtype == jnp.bfloat16
+  assert model.logits(h).dtype == jnp.float32
+  lp = _logprobs(model, h, tokens)
+  assert lp.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(lp)))
