@@ -1,0 +1,320 @@
+"""Scripted policies for the long-context environment, as rollout `Engine`s.
+
+Like the scripted TextCraft policy (`rao_jax.agent.policies`), a scripted policy stands in for the
+MODEL only: it decodes the node's prompt tokens, reads its goal, its limits and what earlier
+observations showed, and emits the next turn (a short thought and one code block). Everything
+it knows about the document it read from observations in its own prompt, so its context window
+binds it exactly as it binds a model.
+
+Recursive policy:
+  * root: one cell cuts `context` at line ends into chunks that fit a helper's window, asks one
+    helper per chunk the structured sub-question that the question needs (all concurrently with
+    `asyncio.gather`), sums their JSON counts and prints them; next turn it answers.
+  * helper: prints its `context` slice by slice (each turn a line-aligned slice under the
+    observation limit), classifies every record it has read by its text, and finishes with the
+    JSON counts.
+Single agent (no `launch_subagent`): reads the document from the start like a helper until its
+context window cannot hold another slice, then answers from what it read, extrapolating counts
+by the fraction read (its honest best guess).
+
+The label of an instance is inferred from its wording with a hand-written cue list
+(`classify_instance`): the stand-in for a model's reading comprehension.
+
+Prompts are parsed as ChatML (`<|im_start|>role ... <|im_end|>`), the format of SmolLM2 and of the
+runtime's byte tokenizer.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import re
+from typing import Any, Callable
+
+from rao_jax.envs import longcontext_data as data
+from rao_jax.rollout import base as rollout
+
+_MSG = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|$)",
+                  re.S)
+_WINDOW = re.compile(r"your context window is (\d+) tokens")
+_READ = re.compile(r"^READ (\d+) OF (\d+)$", re.M)
+_TOTALS = re.compile(r"^TOTALS (\{.*\}) HELPERS (\d+) FAILED (\d+)$", re.M)
+
+
+def chat_messages(prompt_text: str) -> list[tuple[str, str]]:
+  """(role, content) of each ChatML message in a decoded prompt."""
+  return [(m.group(1), m.group(2)) for m in _MSG.finditer(prompt_text)]
+
+
+def can_launch(system: str) -> bool:
+  return "await launch_subagent(" in system and "(you cannot launch helpers)" not in system
+
+
+def context_window(system: str, default: int = 8192) -> int:
+  m = _WINDOW.search(system)
+  return int(m.group(1)) if m else default
+
+
+# The policy's reading comprehension: the opening words that reveal what answer a question seeks.
+_CUES = (
+    ("abbreviation", r"What does \S+ stand for|What is the full form of|What is \S+ short for"
+                     r"|Expand the acronym"),
+    ("entity", r"What kind of|Which instrument|What breed of|Name the ship|What type of tree"),
+    ("description", r"Why do|How does a|What is the meaning of|Explain the rules"
+                    r"|What is the difference between"),
+    ("human", r"Who |Which person"),
+    ("location", r"Where |In which country|What city hosts|Which river"),
+    ("numeric", r"How many|When was|What year|How much|How far"),
+)
+_CUE_RES = tuple((label, re.compile(rf"^(?:{rx})")) for label, rx in _CUES)
+
+
+def classify_instance(text: str) -> str | None:
+  """The label a reader infers from an instance's wording (None: no idea)."""
+  for label, rx in _CUE_RES:
+    if rx.match(text):
+      return label
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LongContextPolicyConfig:
+  """Behaviour of the scripted long-context policy.
+
+  Attributes:
+    read_chars: characters printed per reading turn; keep it below the runner's
+      `observation_max_chars` (longer observations are cut, and a cut slice is misread).
+    chars_per_token: the policy's estimate for sizing chunks (SmolLM2 on these logs: 2.5).
+    chunk_fill: fraction of a helper's context window its chunk may take.
+    token_latency_s: simulated seconds per generated token (0: none).
+    weight_version: reported with every generation.
+  """
+  read_chars: int = 3800
+  chars_per_token: float = data.CHARS_PER_TOKEN
+  chunk_fill: float = 0.6
+  token_latency_s: float = 0.0
+  weight_version: int | str = "scripted-longcontext"
+
+  def __post_init__(self):
+    if self.read_chars < 200:
+      raise ValueError(f"LongContextPolicyConfig.read_chars={self.read_chars}: must be >= 200.")
+    if not 0 < self.chunk_fill < 1:
+      raise ValueError(f"LongContextPolicyConfig.chunk_fill={self.chunk_fill}: must be in (0, 1).")
+    if self.chars_per_token <= 0:
+      raise ValueError(f"LongContextPolicyConfig.chars_per_token={self.chars_per_token}: must be > 0.")
+
+
+def _code(thought: str, code: str) -> str:
+  return f"{thought}\n```python\n{code.strip()}\n```"
+
+
+def _finish(thought: str, answer: str) -> str:
+  return _code(thought, f"finish({answer!r})")
+
+
+def _read_cell(read_chars: int) -> str:
+  return f"""
+try:
+    _pos
+except NameError:
+    _pos = 0
+_end = context.rfind("\\n", _pos, _pos + {read_chars}) + 1
+if _end <= _pos:
+    _end = min(len(context), _pos + {read_chars})
+print(context[_pos:_end], end="")
+_pos = _end
+print(f"\\nREAD {{_pos}} OF {{len(context)}}")
+"""
+
+
+def _records_read(messages: list[tuple[str, str]]) -> tuple[list[tuple[Any, str, str]], int, int]:
+  """Records seen in observations, and the last (position, length) the reading cell printed."""
+  recs = []
+  pos, total = 0, -1
+  for role, content in messages[2:]:
+    if role != "user":
+      continue
+    for line in content.split("\n"):
+      r = data.parse_record_line(line)
+      if r is not None:
+        recs.append(r)
+    for m in _READ.finditer(content):
+      pos, total = int(m.group(1)), int(m.group(2))
+  return recs, pos, total
+
+
+def longcontext_turn(prompt_text: str, prompt_tokens: int,
+                     cfg: LongContextPolicyConfig = LongContextPolicyConfig()) -> str:
+  """The next turn of the scripted long-context policy, from its decoded prompt."""
+  msgs = chat_messages(prompt_text)
+  if len(msgs) < 2:
+    return _finish("I cannot read my task.", "Could not parse the prompt.")
+  system, goal = msgs[0][1], msgs[1][1]
+  subq = data.parse_subquestion(goal)
+  question = data.parse_question(goal) if subq is None else None
+  if subq is None and question is None:
+    return _finish("I do not understand this goal.", "I cannot answer this goal.")
+  if subq is None and can_launch(system):
+    return _root_turn(msgs, system, question, cfg)
+  return _reader_turn(msgs, system, prompt_tokens, subq, question, cfg)
+
+
+def _root_turn(msgs, system: str, question, cfg: LongContextPolicyConfig) -> str:
+  kind, params = question
+  last = msgs[-2][1] if len(msgs) >= 3 and msgs[-2][0] == "user" else ""
+  m = _TOTALS.search(last)
+  if m is not None:
+    counts = json.loads(m.group(1))
+    answer = data.answer_from_counts(kind, params, counts)
+    return _finish(f"My helpers counted {m.group(2)} chunks ({m.group(3)} failed); the answer "
+                   "follows from the totals.", answer)
+  if len(msgs) > 3:
+    return _finish("Delegation did not give me totals; I give up.", "unknown")
+  subq = data.subquestion_for_kind(kind, params)
+  chunk_chars = int(context_window(system) * cfg.chunk_fill * cfg.chars_per_token)
+  # A helper reads its chunk slice by slice, then answers; two turns spare.
+  steps = -(-chunk_chars // cfg.read_chars) + 3
+  code = f"""
+import json, re
+_lines = context.splitlines(keepends=True)
+chunks, cur, size = [], [], 0
+for ln in _lines:
+    if cur and size + len(ln) > {chunk_chars}:
+        chunks.append("".join(cur))
+        cur, size = [], 0
+    cur.append(ln)
+    size += len(ln)
+if cur:
+    chunks.append("".join(cur))
+subq = {subq.text()!r}
+answers = await asyncio.gather(*[launch_subagent(subq, context=c, num_steps={steps}) for c in chunks])
+totals, failed = {{}}, 0
+for a in answers:
+    m = re.search(r"\\{{.*\\}}", a, re.S)
+    try:
+        part = json.loads(m.group(0)) if m else None
+    except ValueError:
+        part = None
+    if not isinstance(part, dict):
+        failed += 1
+        continue
+    for k, v in part.items():
+        totals[k] = totals.get(k, 0) + int(v)
+print("TOTALS", json.dumps(totals, sort_keys=True), "HELPERS", len(chunks), "FAILED", failed)
+"""
+  return _code("The document is too long for my window: I split it into chunks at line ends, "
+               "give each chunk to a helper with a counting sub-question, and add up their counts.",
+               code)
+
+
+def _reader_turn(msgs, system: str, prompt_tokens: int, subq, question,
+                 cfg: LongContextPolicyConfig) -> str:
+  recs, pos, total = _records_read(msgs)
+  window = context_window(system)
+  # Tokens the next reading turn would add: the slice, the code and the chat wrappers.
+  next_cost = int(cfg.read_chars / cfg.chars_per_token * 1.3) + 200
+  done = total >= 0 and pos >= total
+  room = prompt_tokens + next_cost <= window
+  if not done and room:
+    return _code("I read the next slice of `context`.", _read_cell(cfg.read_chars))
+  if subq is not None:
+    labels = [classify_instance(text) or "unknown" for _, _, text in recs]
+    counts = subq.answer(recs, labels)
+    note = "" if done else " (my window is full: partial)"
+    return _finish(f"I have read and classified {len(recs)} records{note}.",
+                   json.dumps(counts, sort_keys=True))
+  # Single agent: answer the root question from what fitted in the window.
+  kind, params = question
+  qsubq = data.subquestion_for_kind(kind, params)
+  labels = [classify_instance(text) or "unknown" for _, _, text in recs]
+  counts = qsubq.answer(recs, labels)
+  frac = pos / total if total > 0 else 0.0
+  if not done and frac > 0 and kind in ("count", "user_count", "labels_above"):
+    # Counts over the whole log, extrapolated from the fraction read.
+    counts = {k: int(round(v / frac)) for k, v in counts.items()}
+  answer = data.answer_from_counts(kind, params, counts)
+  note = "all of it" if done else f"only {frac:.0%} of it before my context window filled up"
+  return _finish(f"I read {note}; this is my answer.", answer)
+
+
+class ScriptedTurnEngine(rollout.Engine):
+  """An `Engine` whose turns come from a function of the decoded prompt.
+
+  Args:
+    tokenizer: the runtime's tokenizer (decodes prompts, encodes turns).
+    turn_fn: `(prompt_text, prompt_tokens) -> turn text`.
+    token_latency_s: simulated seconds per generated token.
+    weight_version: reported with every generation.
+  """
+
+  def __init__(self, tokenizer: Any, turn_fn: Callable[[str, int], str],
+               token_latency_s: float = 0.0, weight_version: int | str = "scripted"):
+    self.tokenizer, self.turn_fn = tokenizer, turn_fn
+    self.token_latency_s = token_latency_s
+    self._weight_version = weight_version
+    stops = list(getattr(tokenizer, "stop_token_ids", []))
+    # The ChatML turn end when the tokenizer has one, else its first stop id.
+    im_end = [i for i in stops if tokenizer.decode([i]) == "<|im_end|>"]
+    self._turn_end = (im_end or stops or [None])[0]
+    self.generated_tokens = 0
+    self.requests = 0
+    self._sessions: dict[str, tuple[list[int], str]] = {}
+
+  @property
+  def weight_version(self) -> int | str:
+    return self._weight_version
+
+  def _decode_all(self, ids: list[int]) -> str:
+    # The fast tokenizer's own decode: transformers' wrapper spends most of its time checking
+    # the id list, and prompts here are tens of thousands of tokens.
+    backend = getattr(getattr(self.tokenizer, "hf", None), "backend_tokenizer", None)
+    if backend is not None:
+      return backend.decode(ids, skip_special_tokens=False)
+    return self.tokenizer.decode(ids)
+
+  def _decode(self, ids: list[int], session_id: str | None) -> str:
+    """The prompt's text; a session's earlier prompt is reused and only new ids are decoded."""
+    prev = self._sessions.get(session_id) if session_id is not None else None
+    if prev is not None and len(ids) >= len(prev[0]) and ids[:len(prev[0])] == prev[0]:
+      tail = self._decode_all(ids[len(prev[0]):])
+      # A multi-byte character split at the boundary decodes as U+FFFD: decode it all then.
+      text = prev[1] + tail if "\ufffd" not in tail else self._decode_all(ids)
+    else:
+      text = self._decode_all(ids)
+    if session_id is not None:
+      self._sessions[session_id] = (ids, text)
+    return text
+
+  async def end_session(self, session_id: str) -> None:
+    self._sessions.pop(session_id, None)
+
+  async def generate(self, request: rollout.GenerateRequest) -> rollout.GenerateResult:
+    prompt = self._decode(list(request.prompt_ids), request.session_id)
+    text = self.turn_fn(prompt, len(request.prompt_ids))
+    ids = list(self.tokenizer.encode(text))
+    if self._turn_end is not None:
+      ids.append(self._turn_end)
+    reason = rollout.FinishReason.STOP
+    limit = request.params.max_new_tokens
+    if request.context_limit is not None:
+      limit = min(limit, request.context_limit - len(request.prompt_ids))
+    if len(ids) > limit:
+      ids = ids[:max(limit, 0)]
+      reason = (rollout.FinishReason.CONTEXT if request.context_limit is not None
+                and len(request.prompt_ids) + len(ids) >= request.context_limit
+                else rollout.FinishReason.LENGTH)
+    self.generated_tokens += len(ids)
+    self.requests += 1
+    if self.token_latency_s:
+      await asyncio.sleep(self.token_latency_s * len(ids))
+    return rollout.GenerateResult(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=reason,
+                                  weight_version=self._weight_version,
+                                  prompt_len=len(request.prompt_ids))
+
+
+def make_longcontext_engine(tokenizer: Any, cfg: LongContextPolicyConfig = LongContextPolicyConfig()
+                            ) -> ScriptedTurnEngine:
+  """The scripted long-context policy (recursive or single, as each node's prompt allows)."""
+  return ScriptedTurnEngine(tokenizer, lambda text, n: longcontext_turn(text, n, cfg),
+                            cfg.token_latency_s, cfg.weight_version)
