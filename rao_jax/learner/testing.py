@@ -91,3 +91,30 @@ def synthetic_trees(num_groups: int, group_size: int, vocab: int, seed: int = 0,
       grow("0", None, 0)
       trees.append(make_tree(f"g{g}k{k}", f"g{g}", nodes))
   return trees
+
+
+def tiny_model_config(**overrides):
+  """A tiny float32 Llama config (V = 64, untied head) for fast learner tests."""
+  from rao_jax.model.config import ModelConfig
+  base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+              mlp_dim=64, param_dtype="float32", dtype="float32", tie_embeddings=False)
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+_INIT_FNS: dict = {}
+
+
+def init_params(model_cfg, seed: int):
+  """Random nnx.Param state of a Transformer; ONE compilation per config for every seed.
+
+  (Compiling the model's random initializers takes tens of seconds on a small CPU, so tests
+  build parameters here once and hand them to each Learner.)
+  """
+  import jax
+  from flax import nnx
+  from rao_jax.model.transformer import Transformer
+  if model_cfg not in _INIT_FNS:
+    _INIT_FNS[model_cfg] = jax.jit(
+        lambda key: nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(key)), nnx.Param)[1])
+  return _INIT_FNS[model_cfg](jax.random.key(seed))
