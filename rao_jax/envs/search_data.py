@@ -244,8 +244,8 @@ class World:
     filler = []
     for _ in range(self.config.filler_sentences):
       o = others[int(rng.integers(len(others)))]
-      year = int(rng.integers(1950, 2024))
-      filler.append(f"In {year}, {e.name.split()[0] if e.etype == 'person' else e.name} "
+      # No years in filler: they would drown the one year that describes the entity.
+      filler.append(f"{e.name.split()[0] if e.etype == 'person' else e.name} "
                     f"{verbs[int(rng.integers(len(verbs)))]} {o.name}.")
     lines.append("History: " + " ".join(filler))
     return "\n".join(lines) + "\n"
