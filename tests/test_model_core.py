@@ -17,6 +17,9 @@ VARIANTS = {
     "qwen3": dict(architecture="Qwen3ForCausalLM", qk_norm=True),
     "llama31": dict(tie_embeddings=False, qkv_bias=True, o_bias=True,
                     rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
+    # Every option at once (each XLA compile costs seconds on CI's 2 cores).
+    "all": dict(tie_embeddings=False, qkv_bias=True, o_bias=True, qk_norm=True,
+                rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
 }
 
 
@@ -95,7 +98,7 @@ def test_llama3_rope_scaling_matches_reference_values():
   assert np.all(inv[mid] <= base[mid]) and np.all(inv[mid] >= base[mid] / 8)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ["llama", "all"])
 def test_cached_decode_equals_full_forward(variant):
   model = _model(variant)
   B, T, S = 3, 12, 20
@@ -203,7 +206,7 @@ def test_scan_and_unrolled_layers_agree():
                              atol=1e-5, rtol=0)
   grad = nnx.jit(nnx.grad(lambda m: (m(tokens, pos, seg) ** 2).mean()))
   ga = grad(a)
-  for remat in ("full", "dots"):
+  for remat in ("full",):
     c = Transformer(a.cfg.replace(remat=remat), rngs=nnx.Rngs(0))
     nnx.update(c, nnx.state(a))
     for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(grad(c))):

@@ -72,24 +72,39 @@ def _param(value, axes: tuple[str, ...]) -> nnx.Param:
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def _init_for(name: str, shape, fan_in: int):
-  if name.endswith("norm"):
-    return lambda key, s, d: jnp.ones(s, d)
-  if name.startswith("b"):
-    return lambda key, s, d: jnp.zeros(s, d)
-  return nnx.initializers.normal(stddev=fan_in ** -0.5)
+def _draw_normals(rngs: nnx.Rngs, shapes: dict[str, tuple[int, ...]], dtype):
+  """Unit normals for several shapes from ONE random draw (each distinct random shape costs an
+  XLA compile of the PRNG, seconds on CPU; one flat draw per model keeps init fast)."""
+  sizes = [int(np.prod(s)) for s in shapes.values()]
+  key = rngs.params()
+  if isinstance(key, jax.core.Tracer):
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+  else:
+    # Eagerly, numpy seeded from the key is faster still (no compile at all); deterministic.
+    seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).tolist()
+    flat = jnp.asarray(np.random.default_rng(seed).standard_normal(sum(sizes), np.float32))
+  out, start = {}, 0
+  for (name, shape), n in zip(shapes.items(), sizes):
+    out[name] = flat[start:start + n].reshape(shape).astype(dtype)
+    start += n
+  return out
 
 
 class Layers(nnx.Module):
   """The L decoder blocks' parameters, stacked along a leading "layers" axis."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, normals: dict[str, jax.Array]):
     fan_in = {"wq": cfg.d_model, "wk": cfg.d_model, "wv": cfg.d_model,
               "wo": cfg.n_heads * cfg.head_dim, "w_gate": cfg.d_model, "w_up": cfg.d_model,
               "w_down": cfg.mlp_dim}
+    pdt = cfg.jnp_param_dtype
     for name, shape in layer_param_shapes(cfg).items():
-      init = _init_for(name, shape, fan_in.get(name, 1))
-      value = init(rngs.params(), shape, cfg.jnp_param_dtype)
+      if name.endswith("norm"):
+        value = jnp.ones(shape, pdt)
+      elif name.startswith("b"):
+        value = jnp.zeros(shape, pdt)
+      else:
+        value = (normals[name] * fan_in[name] ** -0.5).astype(pdt)
       setattr(self, name, _param(value, LAYER_PARAM_AXES[name]))
 
   def arrays(self) -> dict[str, jax.Array]:
@@ -182,16 +197,18 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdt = cfg.jnp_param_dtype
-    self.embed = _param(
-        nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.vocab_size, cfg.d_model), pdt),
-        ("vocab", "embed"))
-    self.layers = Layers(cfg, rngs)
+    shapes = {k: v for k, v in layer_param_shapes(cfg).items()
+              if not k.endswith("norm") and not k.startswith("b")}
+    shapes["embed"] = (cfg.vocab_size, cfg.d_model)
+    if not cfg.tie_embeddings:
+      shapes["lm_head"] = (cfg.vocab_size, cfg.d_model)
+    normals = _draw_normals(rngs, shapes, jnp.float32)
+    self.embed = _param((normals["embed"] * 0.02).astype(pdt), ("vocab", "embed"))
+    self.layers = Layers(cfg, normals)
     self.final_norm = _param(jnp.ones((cfg.d_model,), pdt), ("norm",))
     if not cfg.tie_embeddings:
-      self.lm_head = _param(
-          nnx.initializers.normal(stddev=cfg.d_model ** -0.5)(
-              rngs.params(), (cfg.vocab_size, cfg.d_model), pdt),
-          ("vocab", "embed"))
+      self.lm_head = _param((normals["lm_head"] * cfg.d_model ** -0.5).astype(pdt),
+                            ("vocab", "embed"))
 
   # ---- helpers ---------------------------------------------------------------------------------
   def head_weight(self) -> jax.Array:
