@@ -156,11 +156,12 @@ def longcontext_turn(prompt_text: str, prompt_tokens: int,
   if subq is None and question is None:
     return _finish("I do not understand this goal.", "I cannot answer this goal.")
   if subq is None and can_launch(system):
-    return _root_turn(msgs, system, question, cfg)
+    return _root_turn(msgs, system, prompt_tokens, question, cfg)
   return _reader_turn(msgs, system, prompt_tokens, subq, question, cfg)
 
 
-def _root_turn(msgs, system: str, question, cfg: LongContextPolicyConfig) -> str:
+def _root_turn(msgs, system: str, prompt_tokens: int, question,
+               cfg: LongContextPolicyConfig) -> str:
   kind, params = question
   last = msgs[-2][1] if len(msgs) >= 3 and msgs[-2][0] == "user" else ""
   m = _TOTALS.search(last)
@@ -172,7 +173,10 @@ def _root_turn(msgs, system: str, question, cfg: LongContextPolicyConfig) -> str
   if len(msgs) > 3:
     return _finish("Delegation did not give me totals; I give up.", "unknown")
   subq = data.subquestion_for_kind(kind, params)
-  chunk_chars = int(context_window(system) * cfg.chunk_fill * cfg.chars_per_token)
+  # A helper's fixed cost (system prompt, goal, reading code) is about twice this prompt; the
+  # chunk takes a fraction of what is left of its window.
+  free = max(context_window(system) - 2 * prompt_tokens, context_window(system) // 4)
+  chunk_chars = int(free * cfg.chunk_fill * cfg.chars_per_token)
   # A helper reads its chunk slice by slice, then answers; two turns spare.
   steps = -(-chunk_chars // cfg.read_chars) + 3
   code = f"""
