@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 _A, _O = "\x00ASSISTANT\x00", "\x00OBSERVATION\x00"
 
 
@@ -103,16 +105,15 @@ class ByteChatTokenizer:
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     names = {v: k for k, v in self.special_ids.items()}
-    out, buf = [], bytearray()
-    for t in ids:
-      if t < 256:
-        buf.append(t)
-        continue
-      out.append(buf.decode("utf-8", errors="replace"))
-      buf = bytearray()
-      if not skip_special_tokens:
-        out.append(names.get(t, ""))
-    out.append(buf.decode("utf-8", errors="replace"))
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    cuts = np.flatnonzero(arr >= 256).tolist()   # byte runs between special tokens
+    ids = arr.tolist()
+    out, start = [], 0
+    for i in cuts + [len(ids)]:
+      out.append(arr[start:i].astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+      if i < len(ids) and not skip_special_tokens:
+        out.append(names.get(ids[i], ""))
+      start = i + 1
     return "".join(out)
 
   def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -22,6 +22,7 @@ import ast
 import asyncio
 import collections
 import dataclasses
+import functools
 import re
 from typing import Any, Mapping
 
@@ -30,7 +31,7 @@ from rao_jax.rollout import base as rollout
 
 _TARGETS = re.compile(r"Craft the following items: ([^\n<]*)")
 _COUNT_ITEM = re.compile(r"(\d+)x ([\w:]+)")
-_INFO = re.compile(r"^INFO (\[.*\])$", re.MULTILINE)
+_INFO = re.compile(r"INFO (\{[^\n]*\})")
 _BUDGET = re.compile(r"your step budget \(your turns plus your helpers' turns\) is (\d+)")
 _DEPTH = re.compile(r"you are at depth (\d+)")
 _DONE_MARK = "# crafting plan"
@@ -65,17 +66,36 @@ def parse_targets(text: str) -> dict[str, int]:
   return {item: int(n) for n, item in _COUNT_ITEM.findall(m.group(1))}
 
 
+@functools.lru_cache(maxsize=65536)
+def _parse_info(line: str) -> dict | None:
+  try:
+    info = ast.literal_eval(line)
+  except (ValueError, SyntaxError):
+    return None
+  return info if isinstance(info, dict) and "item" in info else None
+
+
 def _knowledge(text: str) -> dict[str, dict]:
+  # One "INFO {...}" line per item: a cut observation loses whole lines, which are asked again.
   known: dict[str, dict] = {}
   for m in _INFO.finditer(text):
-    try:
-      infos = ast.literal_eval(m.group(1))
-    except (ValueError, SyntaxError):
-      continue
-    for info in infos:
-      if isinstance(info, dict) and "item" in info:
-        known[info["item"]] = info
+    info = _parse_info(m.group(1))
+    if info is not None:
+      known[info["item"]] = info
   return known
+
+
+def _info_cell(items) -> str:
+  # Keeps the answers in `info` so later cells can pass them to helpers as context.
+  return (f"info = {{i['item']: i for i in get_info({list(items)!r})}}\n"
+          "for i in info.values(): print('INFO', i)")
+
+
+def _ctx(group: Mapping[str, int], known: Mapping[str, dict]) -> str:
+  """Context argument that hands a single-target helper the recipe this node looked up."""
+  if len(group) == 1 and next(iter(group)) in known:
+    return f", f\"INFO {{info[{next(iter(group))!r}]}}\""
+  return ""
 
 
 def _recipe(info: Mapping[str, Any], known: Mapping[str, dict]) -> dict[str, int] | None:
@@ -170,11 +190,10 @@ def _summary(targets: Mapping[str, int]) -> str:
 
 def _craft_cell(steps, targets: Mapping[str, int], head: str = "") -> str:
   lines = [head.rstrip("\n")] if head else []
-  lines += [_DONE_MARK, "results = []"]
-  lines += [f"results.append(craft({_fmt(ings)}, ({item!r}, {n})))" for ings, item, n in steps]
-  lines += ['print("\\n".join(results))',
-            'errors = [r for r in results if r.startswith("Error")]',
-            f'finish("Crafted {_summary(targets)}." if not errors else "Failed: " + errors[0])']
+  lines += [_DONE_MARK, "out = ["]
+  lines += [f" craft({_fmt(ings)}, ({item!r}, {n}))," for ings, item, n in steps]
+  lines += ["]", "bad = [o for o in out if o[:7] != 'Crafted']",
+            "finish(str(bad) if bad else out[-1])"]
   return "\n".join(lines)
 
 
@@ -192,14 +211,17 @@ def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> 
                 and "(you cannot launch helpers)" not in prompt_text)
   missing = [t for t in targets if t not in known]
   if missing:
-    return ("First I look up the recipes of my targets.\n```python\n"
-            f"print(\"INFO\", get_info({missing!r}))\n```")
+    return "Look up my targets.\n```python\n" + _info_cell(missing) + "\n```"
   depth = max((known[t].get("crafting_depth") or 0) for t in targets)
   turns_taken = prompt_text.count("[turns left: ")
-  # Delegate right after reading the targets' recipes, or never: a node that started to work
-  # alone keeps going alone.
-  if can_launch and depth >= cfg.delegate_min_depth and turns_taken == 1:
-    turn = _delegate_turn(prompt_text, targets, known, cfg, depth)
+  # A delegating node looks up its targets, then their ingredients (so it neither delegates
+  # base materials nor misjudges budgets), then delegates; a node that started to work alone
+  # keeps going alone.
+  if can_launch and depth >= cfg.delegate_min_depth and turns_taken <= 2:
+    ings = sorted({i for t in targets for i in (_recipe(known[t], known) or {})})
+    if any(i not in known for i in ings):
+      return "Look up ingredients.\n```python\n" + _info_cell(ings) + "\n```"
+    turn = _delegate_turn(prompt_text, targets, known, cfg, depth, turns_taken)
     if turn is not None:
       return turn
   # A helper shares the inventory with concurrent siblings: it must not count on items it did
@@ -207,9 +229,8 @@ def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> 
   m = _DEPTH.search(prompt_text)
   steps, unknown = plan_crafts(targets, known, use_inventory=not (m and int(m.group(1)) > 0))
   if unknown:
-    return ("I need the recipes of the ingredients.\n```python\n"
-            f"print(\"INFO\", get_info({unknown!r}))\n```")
-  return "I know every recipe; I craft bottom-up.\n```python\n" + _craft_cell(steps, targets) + "\n```"
+    return "Look up ingredients.\n```python\n" + _info_cell(unknown) + "\n```"
+  return "Craft bottom-up.\n```python\n" + _craft_cell(steps, targets) + "\n```"
 
 
 def _leaf_steps(depth: int) -> int:
@@ -221,11 +242,11 @@ def _estimate_steps(depth: int, delegate_min_depth: int) -> float:
   """Rough steps of a subtree rooted at a target of this depth (for sharing a budget)."""
   if depth < delegate_min_depth:
     return float(_leaf_steps(depth))
-  return 2.0 + 2.5 * _estimate_steps(depth - 1, delegate_min_depth)
+  return 3.0 + 2.0 * _estimate_steps(depth - 1, delegate_min_depth)
 
 
 def _delegate_turn(prompt_text: str, targets, known, cfg: ScriptedConfig,
-                   depth: int) -> str | None:
+                   depth: int, turns_taken: int) -> str | None:
   """The delegating cell, or None when the budget is too small to delegate."""
   # What the targets need, per ingredient, for the crafts of the targets themselves.
   need: collections.Counter = collections.Counter()
@@ -244,14 +265,14 @@ def _delegate_turn(prompt_text: str, targets, known, cfg: ScriptedConfig,
     d = info.get("crafting_depth") if info else None
     if info is not None and (info.get("is_base") or not info.get("can_craft")):
       continue   # base materials come from the inventory
-    if d is None or d >= cfg.delegate_min_depth - 1:
+    if d is None or d >= max(cfg.delegate_min_depth - 2, 1):
       deep[ing] = n
     else:
       shallow[ing] = n
   groups = [{ing: n} for ing, n in deep.items()] + ([shallow] if shallow else [])
   m = _BUDGET.search(prompt_text)
   budget = int(m.group(1)) if m else 0
-  avail = budget - 3   # the turn taken (get_info), this turn, and one spare
+  avail = budget - turns_taken - 2   # turns taken, this turn, and one spare
 
   def group_depth(g):
     # Ingredients are not looked up yet: assume one level below the target.
@@ -267,11 +288,14 @@ def _delegate_turn(prompt_text: str, targets, known, cfg: ScriptedConfig,
     if shares[i] <= _leaf_steps(group_depth(groups[i])):
       return None
     shares[i] -= 1
-  calls = [f"    launch_subagent({_fmt(g)}, {s})," for g, s in zip(groups, shares)]
-  head = ("reports = await asyncio.gather(\n" + "\n".join(calls) + "\n)\n"
-          'print("\\n".join(reports))\n')
-  return ("I delegate each large ingredient to a helper, concurrently, then craft my targets.\n"
-          "```python\n" + _craft_cell(crafts, targets, head=head) + "\n```")
+  calls = [f" launch_subagent({_fmt(g)}, {s}{_ctx(g, known)})," for g, s in zip(groups, shares)]
+  head = "print(await asyncio.gather(\n" + "\n".join(calls) + "\n))\n"
+  if len(crafts) == 1:   # one target: its craft result is the final message
+    ings, item, n = crafts[0]
+    code = head + f"{_DONE_MARK}\nfinish(craft({_fmt(ings)}, ({item!r}, {n})))"
+  else:
+    code = _craft_cell(crafts, targets, head=head)
+  return "Delegate, then craft.\n```python\n" + code + "\n```"
 
 
 class ScriptedTextCraftEngine(rollout.Engine):

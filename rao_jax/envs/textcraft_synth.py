@@ -29,6 +29,8 @@ DOMAINS = ("m", "c", "o", "a", "t")
 MAX_TIER = 12
 DIFFICULTY_DEPTHS = {"easy": (2, 3), "medium": (4, 6), "hard": (7, 9), "extreme": (10, 12)}
 SYNTH_MAX_STEPS = 200
+# Probability that a recipe of tier >= 2 has a second craftable ingredient.
+BRANCH_PROB = 0.85
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class SynthConfig:
     inventory_slack: extra fraction of each base material (0.1 = up to 10% more).
   """
   seed: int = 0
-  items_per_tier: int = 24
+  items_per_tier: int = 200
   tasks_per_difficulty: int = 50
   max_targets: int = 2
   max_count: int = 2
@@ -67,12 +69,12 @@ def _tier_count(items_per_tier: int, tier: int) -> int:
   return max(2, items_per_tier - tier)
 
 
-def generate_world(seed: int = 0, items_per_tier: int = 24) -> tc.RecipeBook:
+def generate_world(seed: int = 0, items_per_tier: int = 200) -> tc.RecipeBook:
   """A deterministic synthetic recipe world (one recipe per craftable item).
 
   An item of tier k >= 2 takes one or two craftable ingredients (one of tier k - 1, the other
-  of tier k - 1 or k - 2; two with probability 0.7, so a target's recipe tree branches about
-  1.7 ways per level) plus, often, a base material; tiers 10-12 add a craftable ingredient of
+  of tier k - 1 or k - 2; two with probability `BRANCH_PROB`, so a target's recipe tree
+  branches almost two ways per level) plus, often, a base material; tiers 10-12 add a craftable ingredient of
   another domain. Wide tiers (`items_per_tier`) keep sub-trees of one target mostly disjoint,
   which is what makes deep targets both long for one agent and parallelisable across helpers.
   """
@@ -88,7 +90,7 @@ def generate_world(seed: int = 0, items_per_tier: int = 24) -> tc.RecipeBook:
           chosen = rng.sample(by_tier[d][0], rng.randint(1, 2))
         else:
           chosen = [rng.choice(by_tier[d][k - 1])]   # pins the crafting depth to k
-          if rng.random() < 0.7:
+          if rng.random() < BRANCH_PROB:
             t = k - 1 if (k == 2 or rng.random() < 0.6) else k - 2
             chosen.append(rng.choice([x for x in by_tier[d][t] if x not in chosen]))
           if k >= 10:   # top tiers mix domains
@@ -215,18 +217,25 @@ class TextCraftSynthEnv(tc.TextCraftEnv):
                      tasks_by_split=tasks_by_split)
 
   def tasks(self, split: str = "train") -> Sequence[base.Task]:
+    """Tasks of a split, generated on first use (a split asks only for what it needs)."""
     if self._tasks is None:
       self._tasks = {}
-      seen: set = set()
-      for s in ("train", "test"):
-        every = []
-        for diff in DIFFICULTY_DEPTHS:
-          ts = generate_tasks(self.book, diff, self.cfg.tasks_per_difficulty, self.cfg.seed,
-                              self.cfg, split=s, exclude=seen)
-          self._tasks[f"{s}/{diff}"] = ts
-          every.extend(ts)
-        self._tasks[s] = every
-    if split not in self._tasks:
-      raise ValueError(f"TextCraftSynthEnv.tasks(split={split!r}): known splits "
-                       f"{sorted(self._tasks)}.")
+    if split in self._tasks:
+      return self._tasks[split]
+    which, _, diff = split.partition("/")
+    if which not in ("train", "test") or (diff and diff not in DIFFICULTY_DEPTHS):
+      raise ValueError(f"TextCraftSynthEnv.tasks(split={split!r}): use 'train', 'test', or "
+                       f"'train/<difficulty>', 'test/<difficulty>' with a difficulty in "
+                       f"{list(DIFFICULTY_DEPTHS)}.")
+    if not diff:
+      self._tasks[split] = [t for d in DIFFICULTY_DEPTHS for t in self.tasks(f"{which}/{d}")]
+      return self._tasks[split]
+    # Test tasks never repeat a train task of the same difficulty (same targets and counts).
+    seen: set = set()
+    train = generate_tasks(self.book, diff, self.cfg.tasks_per_difficulty, self.cfg.seed,
+                           self.cfg, split="train", exclude=seen)
+    self._tasks.setdefault(f"train/{diff}", train)
+    if which == "test":
+      self._tasks[split] = generate_tasks(self.book, diff, self.cfg.tasks_per_difficulty,
+                                          self.cfg.seed, self.cfg, split="test", exclude=seen)
     return self._tasks[split]
