@@ -536,6 +536,12 @@ class _Repl:
     try:
       sys.stdout = self.stdout
       sys.stderr = self.stderr
+      # Text written through the original buffered streams reaches fd 1/2 only on flush.
+      for stream in (sys.__stdout__, sys.__stderr__):
+        try:
+          stream.flush()
+        except Exception:  # pylint: disable=broad-except
+          pass
       self._drain_now()
       leftover = self._cancel_pending()
       if leftover:

@@ -125,6 +125,10 @@ class ReplProcess:
       raise SandboxSpawnError(
           f"the sandbox ({cfg.isolation} mode) failed to start: {why}"
           + (f"; its stderr says: {err}" if err else "")) from None
+    except BaseException:
+      # Cancelled (a pool closing mid-spawn): never leave the process behind.
+      await asyncio.shield(self.kill())
+      raise
     self.spawn_s = time.perf_counter() - t0
     return self
 
@@ -145,12 +149,23 @@ class ReplProcess:
       await proc.wait()
     if self._writer is not None:
       self._writer.close()
-    for t in list(self._tasks) + list(self._tool_tasks.values()):
+    for t in self._tool_tasks.values():
       t.cancel()
     self._tool_tasks.clear()
     if self._tasks:
+      # The stderr reader ends by itself once the process is gone (EOF); waiting for it lets
+      # asyncio close the pipe transport inside this loop.
+      _, pending = await asyncio.wait(self._tasks, timeout=2.0)
+      for t in pending:
+        t.cancel()
       await asyncio.gather(*self._tasks, return_exceptions=True)
     self._tasks = []
+    if proc is not None:
+      # asyncio.subprocess.Process has no public close(); an unclosed transport would be
+      # closed by the garbage collector, possibly after its event loop is gone.
+      transport = getattr(proc, "_transport", None)
+      if transport is not None:
+        transport.close()
     self._remove_tmpdir()
 
   def _remove_tmpdir(self):
@@ -165,6 +180,7 @@ class ReplProcess:
     for fut in (self._ready, self._waiter):
       if fut is not None and not fut.done():
         fut.set_exception(SandboxDied(reason))
+        fut.exception()  # nobody may be waiting any more (a cancelled spawn): no log noise
     for t in self._tool_tasks.values():
       t.cancel()
 
@@ -256,8 +272,14 @@ class ReplProcess:
         code = None
     if code is None:
       reason = "the sandbox closed its protocol channel"
-    elif code < 0:
-      reason = f"the sandbox process was killed by signal {signal.Signals(-code).name}"
+    elif code < 0 or (self.cfg.isolation == "bwrap" and 128 < code < 128 + 65):
+      # bwrap reports its child's death by signal N as exit status 128 + N.
+      num = -code if code < 0 else code - 128
+      try:
+        name = signal.Signals(num).name
+      except ValueError:
+        name = f"signal {num}"
+      reason = f"the sandbox process was killed by {name}"
     else:
       reason = f"the sandbox process exited with status {code}"
     err = self._stderr.decode("utf-8", "replace").strip()

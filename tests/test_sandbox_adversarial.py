@@ -1,0 +1,429 @@
+"""Adversarial suite: what a policy under RL might try from inside its REPL.
+
+Every case checks four things: the attack is contained, the agent gets a clear observation,
+the host and another agent's sandbox go on (a bystander keeps its state and the host event
+loop keeps ticking), and nothing outside the sandbox changes.
+"""
+import asyncio
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+import rao_jax
+from rao_jax.sandbox_host import (SandboxConfig, SandboxPool, bwrap_available,
+                                  missing_bwrap_message)
+from rao_jax.sandbox_host import jail
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message())
+
+CFG = SandboxConfig(isolation="bwrap", cell_timeout_s=10.0, max_output_chars=4000)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(rao_jax.__file__)))
+
+
+def attack(code, *, cfg=CFG, tools=None, variables=None, follow_up="print('alive', 6 * 7)"):
+  """Runs `code` in a victim sandbox next to a bystander; checks that both go on.
+
+  Returns (result of the attack cell, result of the follow-up cell in the victim).
+  """
+  async def main():
+    pool = SandboxPool(cfg, size=2)
+    await pool.start()
+    try:
+      victim, bystander = await pool.acquire(), await pool.acquire()
+      if variables:
+        await victim.set_variables(variables)
+      await bystander.run_cell("state = 41")
+      gaps = []
+
+      async def heartbeat():
+        last = time.perf_counter()
+        while True:
+          await asyncio.sleep(0.02)
+          now = time.perf_counter()
+          gaps.append(now - last)
+          last = now
+
+      beat = asyncio.create_task(heartbeat())
+      res = await victim.run_cell(code, tools or {})
+      beat.cancel()
+      after = await victim.run_cell(follow_up, tools or {})
+      by = await bystander.run_cell("state += 1\nprint(state)")
+      assert by.output == "42\n" and not by.sandbox_restarted, by
+      # The host's event loop was never blocked by the attack.
+      assert max(gaps, default=0) < 2.0, max(gaps)
+      return res, after
+    finally:
+      await pool.close()
+
+  res, after = asyncio.run(main())
+  if follow_up == "print('alive', 6 * 7)":
+    assert after.output.endswith("alive 42\n"), after
+  return res, after
+
+
+# ---- network ------------------------------------------------------------------------------
+
+def test_outbound_tcp_to_an_outside_address_fails():
+  res, _ = attack(
+      "import socket\ntry:\n  socket.create_connection(('1.1.1.1', 80), timeout=3)\n"
+      "  print('CONNECTED')\nexcept OSError as e:\n  print('blocked', type(e).__name__)")
+  assert res.output == "blocked PermissionError\n", res.observation
+
+
+@pytest.mark.parametrize("seccomp", [True, False], ids=["seccomp", "netns-only"])
+def test_tcp_to_a_server_on_the_hosts_loopback_fails(seccomp):
+  """Both layers hold on their own: the seccomp socket rule and the empty network namespace."""
+  accepted = []
+
+  async def main():
+    server = await asyncio.start_server(lambda r, w: accepted.append(1) or w.close(),
+                                        "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = SandboxConfig(isolation="bwrap", cell_timeout_s=10.0, seccomp=seccomp)
+    pool = SandboxPool(cfg, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      return await sb.run_cell(
+          "import socket\ntry:\n"
+          f"  s = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+          "  print('CONNECTED')\nexcept OSError as e:\n  print('blocked', type(e).__name__)")
+    finally:
+      await pool.close()
+      server.close()
+      await server.wait_closed()
+
+  res = asyncio.run(main())
+  assert res.output.startswith("blocked "), res.observation
+  assert ("PermissionError" in res.output) == seccomp
+  assert accepted == []
+
+
+# ---- reading secrets ------------------------------------------------------------------------
+
+def test_host_files_home_project_and_environment_are_invisible(monkeypatch):
+  secret = "rao-sandbox-test-secret-" + os.urandom(6).hex()
+  monkeypatch.setenv("RAO_SANDBOX_TEST_SECRET", secret)
+  paths = ["/etc/shadow", "/etc/passwd", os.path.join(REPO, "AGENTS.md"), REPO,
+           os.path.expanduser("~"), os.path.join(os.path.expanduser("~"), ".bashrc"),
+           os.path.realpath(os.sys.prefix), "/proc/1/environ", "/proc/self/environ"]
+  code = (
+      "import os\nseen = {}\n"
+      f"for p in {paths!r}:\n"
+      "  try:\n"
+      "    seen[p] = sorted(os.listdir(p)) if os.path.isdir(p) else open(p).read()[:50]\n"
+      "  except OSError as e:\n"
+      "    seen[p] = type(e).__name__\n"
+      "print(seen)\nprint(dict(os.environ))\nprint(sorted(os.listdir('/')))")
+  res, _ = attack(code)
+  assert secret not in res.output
+  lines = res.output.splitlines()
+  seen = eval(lines[0])  # pylint: disable=eval-used  (our own repr of a dict of strings)
+  for p in paths:
+    assert seen[p] in ("FileNotFoundError", "PermissionError"), (p, seen[p])
+  env = eval(lines[1])  # pylint: disable=eval-used
+  assert not any(k in os.environ and os.environ[k] == v and k not in ("LANG",)
+                 for k, v in env.items() if k not in ("HOME", "TMPDIR", "PWD"))
+  assert eval(lines[2]) == ["dev", "etc", "lib", "lib64", "python", "sandbox", "tmp",
+                            "usr"]  # pylint: disable=eval-used
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+def test_writes_outside_tmp_fail_and_change_nothing_outside(tmp_path):
+  marker = "rao-escape-" + os.urandom(4).hex()
+  targets = ["/" + marker, "/usr/lib/" + marker, "/python/bin/python3", "/sandbox/repl.py",
+             "/etc/ld.so.cache", str(tmp_path / marker), os.path.join(REPO, marker)]
+  repl_hash = hashlib.sha256(open(jail.REPL_PATH, "rb").read()).hexdigest()
+  code = (
+      "out = {}\n"
+      f"for p in {targets!r}:\n"
+      "  try:\n"
+      "    with open(p, 'a') as f:\n"
+      "      f.write('pwned')\n"
+      "    out[p] = 'WROTE'\n"
+      "  except OSError as e:\n"
+      "    out[p] = type(e).__name__\n"
+      f"open('/tmp/{marker}', 'w').write('private')\n"
+      f"print(out)\nprint(open('/tmp/{marker}').read())")
+  res, _ = attack(code)
+  lines = res.output.splitlines()
+  out = eval(lines[0])  # pylint: disable=eval-used
+  assert all(v != "WROTE" for v in out.values()), out
+  assert lines[1] == "private"  # /tmp works, and is private:
+  assert not os.path.exists(f"/tmp/{marker}")
+  assert not os.path.exists(tmp_path / marker) and not os.path.exists(os.path.join(REPO, marker))
+  assert hashlib.sha256(open(jail.REPL_PATH, "rb").read()).hexdigest() == repl_hash
+
+
+def test_file_size_limit_holds_in_tmp():
+  cfg = SandboxConfig(isolation="bwrap", file_size_mb=1, cell_timeout_s=10.0)
+  res, _ = attack("with open('/tmp/big', 'wb') as f:\n  f.write(b'0' * (4 << 20))", cfg=cfg)
+  assert "File too large" in res.error or "OSError" in res.error, res.observation
+
+
+# ---- processes, memory, time --------------------------------------------------------------
+
+def test_fork_bomb_is_refused():
+  res, _ = attack(
+      "import os, subprocess\nerrors = set()\n"
+      "for _ in range(1000):\n"
+      "  try:\n    os.fork()\n  except OSError as e:\n    errors.add(type(e).__name__)\n"
+      "try:\n  subprocess.run(['/python/bin/python3', '-c', 'pass'])\n"
+      "except OSError as e:\n  errors.add('subprocess:' + type(e).__name__)\n"
+      "try:\n  os.posix_spawn('/python/bin/python3', ['python3'], {})\n"
+      "except OSError as e:\n  errors.add('spawn:' + type(e).__name__)\n"
+      "print(sorted(errors))")
+  assert res.output == ("['PermissionError', 'spawn:PermissionError', "
+                        "'subprocess:PermissionError']\n"), res.observation
+
+
+def test_memory_bomb_raises_memory_error_inside():
+  cfg = SandboxConfig(isolation="bwrap", memory_mb=512, cell_timeout_s=20.0)
+  res, _ = attack(
+      "try:\n  big = bytearray(8 << 30)\nexcept MemoryError:\n  print('one shot: MemoryError')\n"
+      "def grow():\n  hog = []\n  while True:\n    hog.append(bytearray(16 << 20))\n"
+      "grow()", cfg=cfg)
+  assert res.output == "one shot: MemoryError\n"
+  assert res.error.rstrip().endswith("MemoryError"), res.observation
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(10**6)"],
+                         ids=["busy-loop", "sleep"])
+def test_endless_cell_is_killed_and_replaced(code):
+  cfg = SandboxConfig(isolation="bwrap", cell_timeout_s=1.0)
+  old_pids = []
+
+  async def main():
+    pool = SandboxPool(cfg, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      await sb.set_variables({"context": "the task text"})
+      await sb.run_cell("mine = 1")
+      old_pids.append(sb.pid)
+      t0 = time.perf_counter()
+      res = await sb.run_cell(code)
+      took = time.perf_counter() - t0
+      after = await sb.run_cell("print(context)\nprint('mine' in dir())")
+      return res, took, after, sb.pid
+    finally:
+      await pool.close()
+
+  res, took, after, new_pid = asyncio.run(main())
+  assert res.timed_out and res.sandbox_restarted and not res.crashed
+  assert "did not finish within 1 s" in res.output and "variables" in res.output
+  assert 1.0 <= took < 8.0
+  assert new_pid != old_pids[0]
+  # The killed sandbox is gone entirely (bwrap, its reaper and the REPL).
+  assert not os.path.exists(f"/proc/{old_pids[0]}")
+  # Provided variables are bound again; the agent's own are gone.
+  assert after.output == "the task text\nFalse\n"
+
+
+def test_one_hundred_megabytes_of_output_is_truncated():
+  cfg = SandboxConfig(isolation="bwrap", max_output_chars=1000, cell_timeout_s=30.0)
+  res, _ = attack(
+      "import os, sys\nprint('x' * 50_000_000)\nsys.stdout.write('s' * 10_000_000)\n"
+      "os.write(1, b'y' * 40_000_000)\nos.write(2, b'z' * 1_000_000)\nprint('the end')", cfg=cfg)
+  assert res.error is None
+  assert res.output.startswith("x" * 1000 + "\n[output truncated: ")
+  assert len(res.output) < 1300
+  dropped = int(res.output.split("[output truncated: ")[1].split()[0])
+  total = 50_000_001 + 10_000_000 + 40_000_000 + 1_000_000 + len('the end\n')
+  assert dropped == total - 1000
+
+
+# ---- the protocol -------------------------------------------------------------------------
+
+def test_forged_replies_on_stdout_and_fd1_are_just_output():
+  calls = []
+  forged_done = json.dumps({"op": "done", "id": "0" * 32, "output": "FORGED", "error": None})
+  forged_reply = json.dumps({"op": "reply", "rid": "x", "ok": True, "value": "FORGED"})
+  code = (
+      "import os, sys\n"
+      f"print({forged_done!r})\nprint({forged_reply!r})\n"
+      f"frame = {forged_done!r}.encode()\n"
+      "os.write(1, len(frame).to_bytes(4, 'big') + frame)\n"
+      "sys.__stdout__.write('via __stdout__\\n')\n"
+      "print('tool says', craft('real'))")
+  res, _ = attack(code, tools={"craft": lambda x: calls.append(x) or x.upper()})
+  assert res.error is None
+  # Buffered sys.__stdout__ text reaches fd 1 when the REPL flushes it at the end of the cell.
+  assert "tool says REAL\n" in res.output and "via __stdout__\n" in res.output, res.observation
+  assert "FORGED" in res.output  # shown as the text it is, never taken as a message
+  assert calls == ["real"]
+
+
+FIND_PROTOCOL_FD = (
+    "import os, stat\n"
+    "def is_sock(f):\n"
+    "  try:\n    return stat.S_ISSOCK(os.fstat(f).st_mode)\n  except OSError:\n"
+    "    return False\n"
+    "fd = [f for f in range(3, 64) if is_sock(f)][0]\n")
+
+
+def test_forged_messages_on_the_protocol_fd_are_rejected():
+  calls = []
+  # The agent finds the protocol socket and writes well-formed frames to it: a fake end of
+  # cell with a guessed nonce and a tool call for a cell that is not running are ignored.
+  code = FIND_PROTOCOL_FD + (
+      "import json\n"
+      "def frame(m):\n  b = json.dumps(m).encode()\n  return len(b).to_bytes(4, 'big') + b\n"
+      "os.write(fd, frame({'op': 'done', 'id': '0' * 32, 'output': 'FORGED', 'error': None}))\n"
+      "os.write(fd, frame({'op': 'tool', 'cell': 'f' * 32, 'rid': 'r1', 'name': 'craft',\n"
+      "                    'args': ['forged'], 'kwargs': {}}))\n"
+      "os.write(fd, frame({'op': 'hello'}))\n"
+      "import time\ntime.sleep(0.2)\nprint('real end')")
+  res, _ = attack(code, tools={"craft": lambda x: calls.append(x) or x})
+  assert res.output == "real end\n" and not res.crashed, res.observation
+  assert calls == []
+
+
+def test_garbage_on_the_protocol_fd_replaces_the_sandbox():
+  code = FIND_PROTOCOL_FD + (
+      "os.write(fd, (2**31).to_bytes(4, 'big') + b'x' * 100)\n"
+      "import time\ntime.sleep(5)")
+  res, _ = attack(code)
+  assert res.crashed and res.sandbox_restarted
+  assert "protocol violation" in res.output
+
+
+# ---- processes that end ------------------------------------------------------------------
+
+def test_killing_the_parent_is_contained():
+  # The parent in the pid namespace is bwrap's reaper (pid 1), which ignores signals from
+  # inside; the host's processes are not visible at all.
+  res, _ = attack(
+      "import os, signal\nprint('ppid', os.getppid())\nos.kill(os.getppid(), signal.SIGKILL)\n"
+      "os.kill(1, signal.SIGTERM)\ntry:\n  os.kill(-1, signal.SIGKILL)\n"
+      "except ProcessLookupError:\n  print('nobody else to kill')\n"
+      "print('parent is out of reach')")
+  assert res.output == "ppid 1\nnobody else to kill\nparent is out of reach\n", res.observation
+
+
+def test_killing_itself_is_a_crash_and_a_restart():
+  res, _ = attack("import os, signal\nos.killpg(0, signal.SIGKILL)")
+  assert res.crashed and res.sandbox_restarted and not res.timed_out
+  assert "killed by SIGKILL" in res.output and "fresh sandbox" in res.output
+
+
+def test_sys_exit_is_refused_and_os_exit_restarts():
+  async def main():
+    pool = SandboxPool(CFG, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      r1 = await sb.run_cell("kept = 1\nimport sys\nsys.exit(0)")
+      r2 = await sb.run_cell("raise SystemExit('bye')")
+      r3 = await sb.run_cell("print(kept)")
+      r4 = await sb.run_cell("import os\nos._exit(3)")
+      r5 = await sb.run_cell("import os\nos.abort()")
+      r6 = await sb.run_cell("print('fresh', 'kept' in dir())")
+      return r1, r2, r3, r4, r5, r6
+    finally:
+      await pool.close()
+
+  r1, r2, r3, r4, r5, r6 = asyncio.run(main())
+  assert r1.error.startswith("SystemExit(0): exiting is not allowed") and not r1.crashed
+  assert r2.error.startswith("SystemExit('bye')")
+  assert r3.output == "1\n"
+  assert r4.crashed and r4.sandbox_restarted and "exited with status 3" in r4.output
+  assert r5.crashed and "SIGABRT" in r5.output
+  assert r6.output == "fresh False\n"
+
+
+def test_deleting_builtins_and_tool_proxies_does_not_stick():
+  tools = {"craft": lambda x: f"made {x}"}
+  res, after = attack(
+      "import builtins\nfor name in ('print', 'len', 'isinstance', 'str', '__import__'):\n"
+      "  delattr(builtins, name)\n"
+      "del craft\n__builtins__ = None\n",
+      tools=tools, follow_up="print(len('abc'), craft('torch'))")
+  assert res.error is None, res.observation
+  assert after.output == "3 made torch\n", after.observation
+
+
+# ---- limits that live on the host ----------------------------------------------------------
+
+MAX_DEPTH = 2
+
+
+def test_depth_limit_lives_on_the_host_and_cannot_be_raised():
+  """Real recursion: launch_subagent runs the goal (code, standing in for the policy) in a new
+  sandbox one level deeper; the code tries every way to raise the limit from inside."""
+  depths_reached = []
+  cheat = (
+      "import os, sys\nos.environ['RAO_MAX_DEPTH'] = '99'\nos.environ['MAX_DEPTH'] = '99'\n"
+      "sys.setrecursionlimit(100000)\n"
+      "try:\n  await launch_subagent('x', max_depth=99)\nexcept Exception as e:\n"
+      "  print('kwarg refused:', type(e).__name__)\n"
+      "try:\n  print('child said:', await launch_subagent(GOAL))\n"
+      "except Exception as e:\n  print('launch refused:', e)\n")
+
+  async def main():
+    pool = SandboxPool(CFG, size=2)
+    await pool.start()
+
+    def make_launcher(depth):
+      async def launch_subagent(goal):
+        if depth + 1 > MAX_DEPTH:
+          raise RuntimeError(f"depth limit {MAX_DEPTH} reached; solve this yourself")
+        depths_reached.append(depth + 1)
+        child = await pool.acquire()
+        try:
+          await child.set_variables({"GOAL": goal})
+          res = await child.run_cell(goal, {"launch_subagent": make_launcher(depth + 1)})
+          return res.observation.strip().replace("\n", " / ")
+        finally:
+          await pool.release(child)
+      return launch_subagent
+
+    try:
+      root = await pool.acquire()
+      await root.set_variables({"GOAL": cheat})
+      return await root.run_cell(cheat, {"launch_subagent": make_launcher(0)})
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  assert depths_reached == [1, 2]
+  # Root (depth 0) -> child (1) -> grandchild (2), whose own launch is refused by the host.
+  assert res.output.count("launch refused: RuntimeError: depth limit 2 reached") == 1, \
+      res.observation
+  assert res.output.count("kwarg refused: ToolError") == 3
+  assert os.environ.get("RAO_MAX_DEPTH") is None and os.environ.get("MAX_DEPTH") is None
+
+
+def test_a_tool_that_raises_is_an_observation_and_the_cell_goes_on():
+  def craft(item):
+    raise KeyError(item)
+
+  res, _ = attack(
+      "try:\n  craft('netherite')\nexcept Exception as e:\n  print('failed:', e)\n"
+      "print('continuing')", tools={"craft": craft})
+  assert res.output == "failed: KeyError: 'netherite'\ncontinuing\n"
+
+
+def test_coroutines_never_awaited_are_contained():
+  events = []
+
+  async def launch_subagent(goal):
+    try:
+      await asyncio.sleep(3)
+      events.append("ran to the end")
+    except asyncio.CancelledError:
+      events.append("cancelled")
+      raise
+
+  res, _ = attack(
+      "import asyncio\nasync def helper():\n  return 1\nhelper()\n"
+      "await asyncio.sleep(0)\nlaunch_subagent('forgotten')\nprint('cell over')",
+      tools={"launch_subagent": launch_subagent})
+  assert "cell over\n" in res.output
+  assert "was never awaited" in res.output  # Python's own warning, shown to the agent
+  assert "still pending when the cell ended and were cancelled" in res.output
+  assert events == ["cancelled"]
