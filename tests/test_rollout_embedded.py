@@ -1,0 +1,308 @@
+"""The embedded engine against the plain model: greedy parity, logprobs, batching, sessions,
+compilation count, limits, aborts and weight swaps. A tiny random model; one slow real test."""
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rao_jax.model import Transformer, token_logprobs
+from rao_jax.rollout import FinishReason, GenerateRequest, SamplingParams
+from rao_jax.rollout import sampling
+from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig
+from rao_jax.testing import tiny_config
+
+# Small shapes so every program compiles once for the whole module (the jitted functions are
+# shared by every engine over the same architecture): 2 cache lengths x 1 chunk x 1 row bucket.
+CFG = dict(num_slots=4, max_len=64, cache_lens=(32, 64), chunk_sizes=(16,), prefill_rows=(2,))
+REF_T = 64
+_GRAPHDEF = []
+
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *a, **k: _COMPILES.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(tiny_config(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def warm(model):
+  EmbeddedEngine(model, **CFG).warmup()
+  return True
+
+
+@jax.jit
+def _ref_logits(state, tokens_1xT, n):
+  m = nnx.merge(_GRAPHDEF[0], state)
+  seg = (jnp.arange(REF_T) < n).astype(jnp.int32)[None]
+  hidden = m(tokens_1xT, jnp.arange(REF_T)[None], seg)
+  return m.logits(jnp.take(hidden, n - 1, axis=1))[0]
+
+
+def reference_greedy(model, prompt, n_new):
+  """Step-by-step greedy decoding with the plain model's full forward (no cache)."""
+  graphdef, state = nnx.split(model)
+  _GRAPHDEF[:] = [graphdef]     # same architecture for every model here: one compilation
+  toks = list(prompt)
+  for _ in range(n_new):
+    padded = np.zeros((1, REF_T), np.int32)
+    padded[0, :len(toks)] = toks
+    toks.append(int(jnp.argmax(_ref_logits(state, padded, len(toks)))))
+  return toks[len(prompt):]
+
+
+@jax.jit
+def _ref_logprobs(state, inputs_1xT, targets_1xT, n, temperature):
+  m = nnx.merge(_GRAPHDEF[0], state)
+  seg = (jnp.arange(REF_T) < n).astype(jnp.int32)[None]
+  hidden = m(inputs_1xT, jnp.arange(REF_T)[None], seg)
+  return token_logprobs(m, hidden, targets_1xT, temperature=temperature)[0]
+
+
+def recomputed_logprobs(model, prompt, out, temperature=1.0):
+  """The learner's quantity: token_logprobs over the full forward of prompt + output."""
+  graphdef, state = nnx.split(model)
+  _GRAPHDEF[:] = [graphdef]
+  seq = list(prompt) + list(out)
+  inputs, targets = np.zeros((1, REF_T), np.int32), np.zeros((1, REF_T), np.int32)
+  inputs[0, :len(seq) - 1], targets[0, :len(seq) - 1] = seq[:-1], seq[1:]
+  lp = _ref_logprobs(state, inputs, targets, len(seq) - 1, jnp.float32(temperature))
+  return np.asarray(lp)[len(prompt) - 1:len(seq) - 1]
+
+
+def prompts(n, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [list(map(int, rng.integers(3, 49152, size=lengths[i % len(lengths)])))
+          for i in range(n)]
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+def greedy(n, **kw):
+  return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def test_greedy_equals_plain_model_and_logprobs_match(model, warm):
+  ps = prompts(4, [5, 19, 30, 1])
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(12))) for p in ps])
+    await eng.close()
+    return res
+  for p, r in zip(ps, run(go())):
+    assert r.finish_reason == FinishReason.LENGTH
+    assert r.token_ids == reference_greedy(model, p, 12)
+    np.testing.assert_allclose(r.logprobs, recomputed_logprobs(model, p, r.token_ids),
+                               atol=1e-4, rtol=0)
+    assert all(isinstance(x, float) for x in r.logprobs)
+
+
+def test_sampled_logprobs_are_tempered_unfiltered_log_softmax(model, warm):
+  p = prompts(1, [9])[0]
+  params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=10, seed=5)
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    r = await eng.generate(GenerateRequest(p, params))
+    await eng.close()
+    return r
+  r = run(go())
+  np.testing.assert_allclose(r.logprobs,
+                             recomputed_logprobs(model, p, r.token_ids, temperature=0.7),
+                             atol=1e-4, rtol=0)
+
+
+def test_continuous_batching_equals_one_at_a_time(model, warm):
+  ps = prompts(7, [3, 30, 12, 35, 7])      # more requests than slots: they queue and join
+  sampled = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=9, seed=11)
+  async def together():
+    eng = EmbeddedEngine(model, **CFG)
+    reqs = [GenerateRequest(p, greedy(9 + i) if i % 2 else sampled) for i, p in enumerate(ps)]
+    res = await asyncio.gather(*[eng.generate(r) for r in reqs])
+    await eng.close()
+    return res
+  async def alone():
+    out = []
+    for i, p in enumerate(ps):
+      eng = EmbeddedEngine(model, **CFG)
+      out.append(await eng.generate(GenerateRequest(p, greedy(9 + i) if i % 2 else sampled)))
+      await eng.close()
+    return out
+  a, b = run(together()), run(alone())
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4, rtol=0)
+
+
+def test_sessions_resume_and_eviction_equal_recompute(model, warm):
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    histories = {f"s{i}": p for i, p in enumerate(prompts(5, [6, 11, 4, 9, 7], seed=3))}
+    cached = []
+    for turn in range(3):
+      # 5 sessions, 4 slots: evictions every turn; the order alternates so that LRU keeps
+      # the sessions asked for next (the first four of each turn hit their cache).
+      order = list(histories) if turn % 2 == 0 else list(histories)[::-1]
+      for sid in order:
+        h = histories[sid]
+        r = await eng.generate(GenerateRequest(h, greedy(5), session_id=sid))
+        assert r.token_ids == reference_greedy(model, h, 5)
+        cached.append(r.cached_tokens)
+        histories[sid] = h + r.token_ids + [17 + turn, 23]    # the "observation"
+    stats = dict(eng.stats)
+    await eng.close()
+    return cached, stats
+  cached, stats = run(go())
+  assert stats["evictions"] > 0
+  # Kept sessions prefill only the new suffix: everything but the observation is cached.
+  assert all(c > 0 for c in cached[5:9]) and all(c > 0 for c in cached[10:14])
+
+
+def test_session_turn_prefills_only_new_suffix(model, warm):
+  p = prompts(1, [20], seed=4)[0]
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    r1 = await eng.generate(GenerateRequest(p, greedy(6), session_id="a"))
+    before = eng.stats["prefill_tokens"]
+    p2 = p + r1.token_ids + [5, 6, 7]
+    r2 = await eng.generate(GenerateRequest(p2, greedy(6), session_id="a"))
+    after = eng.stats["prefill_tokens"]
+    await eng.end_session("a")
+    r3 = await eng.generate(GenerateRequest(p2, greedy(6), session_id="a"))
+    await eng.close()
+    return r1, r2, r3, after - before, p2
+  r1, r2, r3, prefilled, p2 = run(go())
+  assert r2.cached_tokens == len(p2) - 4    # prompt + output minus the unfed last token
+  assert prefilled == 4
+  assert r3.cached_tokens == 0 and r3.token_ids == r2.token_ids
+  assert r2.token_ids == reference_greedy(model, p2, 6)
+
+
+def test_no_compilation_after_warmup(model, warm):
+  before_traces, before_compiles = EmbeddedEngine(model, **CFG).trace_counts, len(_COMPILES)
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    params = [greedy(20), SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=14),
+              SamplingParams(temperature=1.3, top_k=7, max_new_tokens=3, seed=2)]
+    reqs = [GenerateRequest(p, params[i % 3], session_id=f"s{i % 2}" if i < 2 else None)
+            for i, p in enumerate(prompts(9, [2, 33, 8, 40, 17, 1]))]
+    await asyncio.gather(*[eng.generate(r) for r in reqs])
+    stats = dict(eng.stats)
+    await eng.close()
+    return stats
+  stats = run(go())
+  assert stats["cache_grow"] >= 1     # the workload did cross cache-length buckets
+  assert EmbeddedEngine(model, **CFG).trace_counts == before_traces
+  assert len(_COMPILES) == before_compiles
+
+
+def test_context_limit_stop_ids_and_max_new_tokens(model, warm):
+  p = prompts(1, [10], seed=5)[0]
+  ref = reference_greedy(model, p, 8)
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    limited = await eng.generate(GenerateRequest(p, greedy(30), context_limit=14))
+    full = await eng.generate(GenerateRequest(p, greedy(30), context_limit=10))
+    stop = await eng.generate(GenerateRequest(p, greedy(30, stop_token_ids=(ref[3],))))
+    capped = await eng.generate(GenerateRequest(p, greedy(60)))     # engine capacity 48
+    await eng.close()
+    return limited, full, stop, capped
+  limited, full, stop, capped = run(go())
+  assert limited.finish_reason == FinishReason.CONTEXT and limited.token_ids == ref[:4]
+  assert full.finish_reason == FinishReason.CONTEXT and full.token_ids == []
+  assert "context" in full.message
+  first = ref.index(ref[3])
+  assert stop.finish_reason == FinishReason.STOP and stop.token_ids == ref[:first + 1]
+  assert capped.finish_reason == FinishReason.CONTEXT
+  assert len(p) + len(capped.token_ids) == EngineConfig(**CFG).capacity
+
+
+def test_abort_returns_partial_and_weight_swap_between_steps(model, warm):
+  graphdef, state = nnx.split(model)   # "new weights": every matrix scaled (cheap to build)
+  other = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, state))
+  p = prompts(1, [6], seed=6)[0]
+  async def go():
+    eng = EmbeddedEngine(model, **CFG, weight_version=0)
+    task = asyncio.create_task(eng.generate(GenerateRequest(p, greedy(40), rid="long")))
+    while not eng.stats["decode_calls"]:
+      await asyncio.sleep(0.005)
+    await eng.abort("long")
+    aborted = await task
+    await asyncio.to_thread(eng.update_weights, other, 7)
+    swapped = await eng.generate(GenerateRequest(p, greedy(6)))
+    await eng.close()
+    return aborted, swapped
+  aborted, swapped = run(go())
+  assert aborted.finish_reason == FinishReason.ABORT and aborted.weight_version == 0
+  assert 0 < len(aborted.token_ids) < 40
+  assert aborted.token_ids == reference_greedy(model, p, len(aborted.token_ids))
+  assert swapped.weight_version == 7
+  assert swapped.token_ids == reference_greedy(other, p, 6)
+
+
+def test_bad_requests_and_configs_are_refused(model):
+  eng = EmbeddedEngine(model, **CFG)
+  async def go(req):
+    return await eng.generate(req)
+  with pytest.raises(ValueError, match="empty"):
+    run(go(GenerateRequest([])))
+  with pytest.raises(ValueError, match="outside"):
+    run(go(GenerateRequest([1, 10 ** 6])))
+  with pytest.raises(ValueError, match="cache_lens"):
+    EngineConfig(max_len=64, cache_lens=(32, 48))
+  with pytest.raises(ValueError, match="decode_rows"):
+    EngineConfig(num_slots=4, decode_rows=(2, 3))
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+
+
+def test_sampler_distribution_and_filters():
+  logits = jnp.asarray(np.log(np.array([0.5, 0.25, 0.15, 0.1], np.float32)))
+  n = 4000
+  L = jnp.broadcast_to(logits, (n, 4))
+  ones = jnp.ones(n, jnp.float32)
+  seeds = jnp.arange(n, dtype=jnp.uint32)
+  pos = jnp.full(n, 3, jnp.int32)
+  sample = jax.jit(sampling.sample)
+  tok, logp = sample(L, ones, ones, -jnp.ones(n, jnp.int32), seeds, pos)
+  freq = np.bincount(np.asarray(tok), minlength=4) / n
+  np.testing.assert_allclose(freq, [0.5, 0.25, 0.15, 0.1], atol=0.03)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(logits)[np.asarray(tok)], atol=1e-6)
+  # top-k 2 keeps the two best; top-p 0.7 keeps {0, 1} (0.5 < 0.7 <= 0.75).
+  tk, _ = sample(L, ones, ones, jnp.full(n, 2, jnp.int32), seeds, pos)
+  tp, lp = sample(L, ones, jnp.full(n, 0.7), -jnp.ones(n, jnp.int32), seeds, pos)
+  assert set(np.unique(np.asarray(tk))) == {0, 1}
+  assert set(np.unique(np.asarray(tp))) == {0, 1}
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(logits)[np.asarray(tp)], atol=1e-6)
+  # Same seed and position -> same token, whatever the batch around it.
+  t1, _ = sample(L[::2], ones[::2], ones[::2], -jnp.ones(n // 2, jnp.int32), seeds[5::2],
+                  pos[::2])
+  assert int(t1[0]) == int(tok[5])
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_matches_plain_model():
+  from rao_jax.model import load_pretrained
+  model, tok = load_pretrained("smollm2-135m", dtype="float32")
+  p = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                              add_generation_prompt=True)
+  async def go():
+    eng = EmbeddedEngine(model, num_slots=1, max_len=64, cache_lens=(64,), chunk_sizes=(32,),
+                         prefill_rows=(1,))
+    r = await eng.generate(GenerateRequest(p, greedy(8, stop_token_ids=tuple(
+        tok.stop_token_ids))))
+    await eng.close()
+    return r
+  r = run(go())
+  assert len(p) + 8 <= REF_T
+  assert r.token_ids == reference_greedy(model, p, len(r.token_ids))
+  np.testing.assert_allclose(r.logprobs, recomputed_logprobs(model, p, r.token_ids),
+                             atol=1e-4, rtol=0)
+  assert tok.decode(r.token_ids).strip()
