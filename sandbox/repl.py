@@ -15,6 +15,7 @@ over stdout: frames of a 4-byte big-endian length followed by a JSON object.
                    {"op": "vars", "id": NONCE, "vars": {name: json value}}
                    {"op": "reply", "rid": RID, "ok": bool, "value": json | "error": str}
     repl -> host   {"op": "ready", "pid": int, "seccomp": bool, "limits": {...}}
+                   {"op": "fatal", "error": str}   (the jail could not be completed)
                    {"op": "tool", "cell": NONCE, "rid": RID, "name": str, "args": [...],
                     "kwargs": {...}}
                    {"op": "cancel", "rid": RID}
@@ -122,10 +123,17 @@ def main():
   null = os.open("/dev/null", os.O_RDONLY)
   os.dup2(null, 0)
   os.close(null)
-  limits = _set_limits(cfg)
   bpf = cfg.get("seccomp", "")
-  if bpf:
-    _load_seccomp(bpf)
+  try:
+    limits = _set_limits(cfg)
+    if bpf:
+      _load_seccomp(bpf)
+  except BaseException as e:  # pylint: disable=broad-except
+    # Never run agent code in a half-built jail; tell the host why (stderr is gone already).
+    text = repr(f"{type(e).__name__}: {e}")[1:-1].replace('"', "'")
+    data = ('{"op": "fatal", "error": "%s"}' % text).encode()
+    _write(fd, len(data).to_bytes(4, "big") + data)
+    os._exit(1)
   # The ready message is written by hand: json and the cell machinery are imported after it,
   # while the host already counts this sandbox as started (a first cell simply queues).
   ready = ('{"op": "ready", "pid": %d, "seccomp": %s, "limits": {%s}}' % (

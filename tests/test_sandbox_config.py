@@ -104,3 +104,13 @@ def test_process_mode_is_never_silent(caplog, monkeypatch):
     asyncio.run(body())
   assert any("isolation='process'" in r.getMessage() and "WITHOUT bubblewrap" in r.getMessage()
              for r in caplog.records)
+
+
+def test_a_jail_that_cannot_be_completed_never_runs_code(monkeypatch):
+  """If the seccomp program cannot be loaded the REPL reports it and exits before any cell."""
+  real_args = jail.repl_args
+  monkeypatch.setattr(jail, "repl_args", lambda cfg, fd: [
+      "seccomp=00000000000000ff" if a.startswith("seccomp=") else a
+      for a in real_args(cfg, fd)])
+  with pytest.raises(process.SandboxSpawnError, match="could not complete its jail"):
+    asyncio.run(Sandbox.start(SandboxConfig(isolation="process")))

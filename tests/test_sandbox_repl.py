@@ -244,3 +244,24 @@ def test_cells_run_in_under_a_few_milliseconds_when_warm():
   # The goal is <= 1 ms; CI shares 2 cores with other tests, so only a loose bound here
   # (benchmarks/bench_sandbox.py measures it properly).
   assert median < 0.05
+
+
+def test_seccomp_filter_is_active_in_the_jail():
+  """Probes whose result differs with and without the filter, even inside the namespaces."""
+  async def body(sb):
+    return sb._proc.info, await sb.run_cell(  # pylint: disable=protected-access
+        "import ctypes, errno, socket, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "rc = libc.syscall(425, 1, 0)\n"  # io_uring_setup: EFAULT if it were allowed
+        "print('io_uring', errno.errorcode[ctypes.get_errno()])\n"
+        "rc = libc.syscall(435, 0, 0)\n"  # clone3: ENOSYS so that glibc uses clone
+        "print('clone3', errno.errorcode[ctypes.get_errno()])\n"
+        "try:\n  socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+        "except OSError as e:\n  print('inet', errno.errorcode[e.errno])\n"
+        "t = threading.Thread(target=print, args=('threads still work',))\n"
+        "t.start()\nt.join()")
+
+  info, res = run_in_sandbox(body)
+  assert info["seccomp"] is True
+  assert res.output == "io_uring EPERM\nclone3 ENOSYS\ninet EACCES\nthreads still work\n", \
+      res.observation

@@ -82,6 +82,7 @@ class SandboxPool:
   async def release(self, sb: Sandbox) -> None:
     """Discards the agent's sandbox (never reused); the pool refills in the background."""
     self._out.discard(sb)
+    sb.mark_closed()  # unusable from now on, even before the kill below has happened
     task = asyncio.create_task(sb.close())
     self._background.add(task)
     task.add_done_callback(self._background.discard)

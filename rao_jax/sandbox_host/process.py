@@ -312,6 +312,8 @@ class ReplProcess:
     if op == "ready":
       if self._ready is not None and not self._ready.done():
         self._ready.set_result(msg)
+    elif op == "fatal" and not self.info:
+      self._mark_dead(f"the REPL could not complete its jail: {str(msg.get('error'))[:2000]}")
     elif op in ("done", "vars_done"):
       # Only the reply to the request in flight counts: the nonce was never seen before.
       if (self._waiter is not None and not self._waiter.done()

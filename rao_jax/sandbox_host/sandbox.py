@@ -165,6 +165,10 @@ class Sandbox:
     finally:
       self._busy = False
 
+  def mark_closed(self) -> None:
+    """Makes the Sandbox unusable at once (its process is killed by close())."""
+    self._closed = True
+
   async def close(self) -> None:
     """Kills the sandbox process; the Sandbox cannot be used afterwards."""
     self._closed = True
