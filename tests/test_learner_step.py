@@ -36,7 +36,7 @@ GRAPHDEF = nnx.split(nnx.eval_shape(lambda: Transformer(MODEL_CFG, rngs=nnx.Rngs
 
 @functools.lru_cache(maxsize=None)
 def init_params(seed):
-  return testing.init_params(MODEL_CFG, seed)
+  return testing.init_params(MODEL_CFG, seed)   # numpy draws: no compilation
 
 
 @jax.jit
@@ -81,6 +81,7 @@ def example():
 FULL = lcfg(micro_batch_rows=8, bucket_rows=(8,))
 
 
+@pytest.mark.slow
 def test_gradient_matches_unpacked_spec_reference(example):
   """L = -(1/N) sum_v w_d A / |M_v| sum_t log pi, with the SPEC table's w_d * A, node by node."""
   trees, _, batch = example
@@ -171,6 +172,7 @@ def test_ratio_losses_have_the_default_gradient_on_policy(example, loss):
   assert not np.allclose(g_stale["lm_head"][...], g_rao["lm_head"][...])
 
 
+@pytest.mark.slow
 def test_kl_penalty_is_zero_at_the_reference_and_positive_after_update(example):
   _, _, batch = example
   cfg = lcfg(kl_coef=0.5, lr=1e-2, micro_batch_rows=8, bucket_rows=(8,))
@@ -201,6 +203,7 @@ def _batches(seed, n):
   return out
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_unsharded(learner_pair):
   single, sharded = learner_pair
   assert len(sharded.params["layers"]["wq"][...].sharding.device_set) == 8

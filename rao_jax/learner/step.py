@@ -38,6 +38,9 @@ BATCH_KEYS_2D = ("tokens_BxT", "targets_BxT", "positions_BxT", "segment_ids_BxT"
 TRACE_COUNT = 0
 
 
+_JITTED_STEPS: dict = {}
+
+
 class NonFiniteUpdateError(FloatingPointError):
   """The step's loss or gradient was NaN/Inf; the update was refused and the state kept."""
 
@@ -305,13 +308,20 @@ class Learner:
 
     self._batch_shardings = {k: sharding_lib.batch_sharding(self.mesh, 2) for k in BATCH_KEYS_2D}
     self._batch_shardings["normalizer"] = sharding_lib.replicated(self.mesh)
-    micro_spec = sharding_lib.logical_to_spec((None, "batch", None), mesh=self.mesh)
-    statics = StepStatics(self.graphdef, cfg, jax.sharding.NamedSharding(self.mesh, micro_spec))
-    self._step_fn = jax.jit(
-        functools.partial(train_step, statics=statics),
-        in_shardings=(self._state_shardings, self._batch_shardings),
-        out_shardings=(self._state_shardings, sharding_lib.replicated(self.mesh)),
-        donate_argnums=(0,))
+    # Learners with the same model, step-relevant config and mesh share one jitted step (and
+    # its compilations), e.g. when the trainer swaps in a Learner with other initial weights.
+    key = (model_cfg, dataclasses.replace(cfg, ckpt_dir="", ckpt_every=1, ckpt_keep=1, seed=0),
+           self.mesh)
+    if key not in _JITTED_STEPS:
+      micro_spec = sharding_lib.logical_to_spec((None, "batch", None), mesh=self.mesh)
+      statics = StepStatics(self.graphdef, cfg,
+                            jax.sharding.NamedSharding(self.mesh, micro_spec))
+      _JITTED_STEPS[key] = jax.jit(
+          functools.partial(train_step, statics=statics),
+          in_shardings=(self._state_shardings, self._batch_shardings),
+          out_shardings=(self._state_shardings, sharding_lib.replicated(self.mesh)),
+          donate_argnums=(0,))
+    self._step_fn = _JITTED_STEPS[key]
     self._ckpt = None
 
   # ---- data -----------------------------------------------------------------------------------

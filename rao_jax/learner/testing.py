@@ -102,19 +102,29 @@ def tiny_model_config(**overrides):
   return ModelConfig(**base)
 
 
-_INIT_FNS: dict = {}
-
-
 def init_params(model_cfg, seed: int):
-  """Random nnx.Param state of a Transformer; ONE compilation per config for every seed.
+  """Random nnx.Param state for `model_cfg`, drawn with numpy (no compilation).
 
-  (Compiling the model's random initializers takes tens of seconds on a small CPU, so tests
-  build parameters here once and hand them to each Learner.)
+  Compiling the model's jax.random initializers takes tens of seconds on a small CPU; tests only
+  need some well-scaled weights: N(0, 1/fan_in) matrices, N(1, 0.1) norm scales, zero biases.
   """
   import jax
+  import jax.numpy as jnp
   from flax import nnx
   from rao_jax.model.transformer import Transformer
-  if model_cfg not in _INIT_FNS:
-    _INIT_FNS[model_cfg] = jax.jit(
-        lambda key: nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(key)), nnx.Param)[1])
-  return _INIT_FNS[model_cfg](jax.random.key(seed))
+  rng = np.random.default_rng(seed)
+  abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))),
+                       nnx.Param)[1]
+
+  def draw(path, x):
+    name = str(getattr(path[-2] if len(path) > 1 else path[-1], "key", ""))
+    if name.endswith("norm"):
+      v = 1.0 + 0.1 * rng.standard_normal(x.shape)
+    elif name in ("bq", "bk", "bv", "bo"):
+      v = np.zeros(x.shape)
+    else:
+      fan_in = {"wo": model_cfg.n_heads * model_cfg.head_dim,
+                "w_down": model_cfg.mlp_dim}.get(name, model_cfg.d_model)
+      v = rng.standard_normal(x.shape) / np.sqrt(fan_in)
+    return jnp.asarray(v, x.dtype)
+  return jax.tree_util.tree_map_with_path(draw, abstract)
