@@ -98,7 +98,13 @@ class NodeRecord:
           f"{SUCCESS_SOURCES}.")
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    # Field by field: dataclasses.asdict deep-copies every token id, which is slow for
+    # thousands of tokens per node. Lists are copied shallowly (their items are immutable).
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    for k, v in d.items():
+      if isinstance(v, list):
+        d[k] = list(v)
+    return d
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "NodeRecord":
