@@ -102,4 +102,5 @@ def base_config() -> config_dict.ConfigDict:
   c.sft.steps = 100                  # supervised steps
   c.sft.num_demos = 256              # demonstration trees (scripted policy / gold trajectories)
   c.sft.lr = 5e-5
+  c.sft.trees_per_step = 8           # demonstration trees per supervised step
   return c

@@ -4,6 +4,7 @@ Usage:
   --config=experiments/configs/textcraft_synth.py:recursive,ctx=8192,train=medium
   --config=experiments/configs/textcraft_synth.py:single,ctx=40960,train=hard
   --config=experiments/configs/textcraft_synth.py:recursive,smoke      # ~1 minute on CPU
+  --config=experiments/configs/textcraft_synth.py:recursive,demo       # what `make demo` runs
 """
 from experiments.configs import base
 
@@ -25,7 +26,23 @@ def get_config(arg: str | None = None):
   c.agent.tree_step_budget = 200          # the paper's per-task budget
   if "smoke" in args:
     _smoke(c)
+  if "demo" in args:
+    _demo(c)
   return c
+
+
+def _demo(c):
+  """`make demo`: SFT warm start, a few RL steps, evaluation; ~10 minutes on a 2-core CPU."""
+  _smoke(c)
+  c.total_steps = 3
+  c.rl.group_size = 2
+  c.rl.tasks_per_step = 2
+  c.eval.every = 3
+  c.eval.num_tasks = 4
+  c.sft.num_demos = 48
+  c.sft.steps = 12
+  c.sft.trees_per_step = 4
+  c.sft.lr = 1e-4
 
 
 def _smoke(c):
@@ -35,8 +52,8 @@ def _smoke(c):
   c.env.eval_difficulties = ("easy",)
   c.agent.context_window = min(c.agent.context_window, 2048)
   c.rollout.max_cache_len = c.agent.context_window
-  c.agent.max_new_tokens = 96
-  c.agent.max_steps_per_agent = 3
+  c.agent.max_new_tokens = 384          # the scripted demonstrations' longest turn fits
+  c.agent.max_steps_per_agent = 6
   c.agent.max_depth = 2
   c.rl.group_size = 2
   c.rl.tasks_per_step = 2

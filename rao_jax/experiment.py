@@ -1,0 +1,225 @@
+"""From an experiment ConfigDict to the typed parts of a run.
+
+The loose ConfigDict of `experiments/configs/` is turned into each module's frozen, validated
+dataclass here and nowhere else, so an entry point (train, evaluate, sft, demo) builds the same
+environment, engine, sandbox pool, runner and learner from the same config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from rao_jax.agent import runner as runner_lib
+from rao_jax.envs import base as env_base
+from rao_jax.envs import registry
+
+log = logging.getLogger(__name__)
+
+
+def _to_plain(x):
+  """ConfigDict / FrozenConfigDict / tuples -> plain JSON-able Python."""
+  if hasattr(x, "to_dict"):
+    x = x.to_dict()
+  if isinstance(x, dict):
+    return {k: _to_plain(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_to_plain(v) for v in x]
+  return x
+
+
+def config_to_json(config) -> str:
+  return json.dumps(_to_plain(config), indent=2, sort_keys=True)
+
+
+def save_config(config, workdir: str) -> str:
+  """Writes the run's config beside its checkpoints (`workdir/config.json`)."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    f.write(config_to_json(config))
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def load_config(workdir: str):
+  """Reads `workdir/config.json` back into a ConfigDict (for evaluation)."""
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: is {workdir!r} a training workdir "
+                            "(python -m experiments.train --workdir=...)?")
+  with open(path) as f:
+    return config_dict.ConfigDict(json.load(f))
+
+
+# -- environment and tasks ---------------------------------------------------------------------
+
+
+def make_env(config) -> env_base.Environment:
+  return registry.make_env(config.env.name, _to_plain(config.env.kwargs))
+
+
+def task_split(env: env_base.Environment, split: str, difficulty: str | None) -> list[env_base.Task]:
+  name = registry.split_name(env, split, difficulty)
+  tasks = list(env.tasks(name))
+  if not tasks:
+    raise ValueError(f"Environment {env.name!r} has no tasks in split {name!r}.")
+  return tasks
+
+
+def train_tasks_for_step(tasks: Sequence[env_base.Task], step: int, n: int,
+                         seed: int) -> list[env_base.Task]:
+  """The root tasks of RL step `step`: a pure function of (seed, step), so a resumed run
+  draws exactly the tasks the uninterrupted run would have (the data position is the step)."""
+  rng = np.random.default_rng([seed, step])
+  idx = rng.choice(len(tasks), size=min(n, len(tasks)), replace=False)
+  return [tasks[i] for i in idx]
+
+
+def eval_tasks(env: env_base.Environment, difficulty: str, n: int) -> list[env_base.Task]:
+  """The first `n` held-out tasks of a difficulty (a fixed set, comparable across steps)."""
+  return task_split(env, "test", difficulty)[:n]
+
+
+# -- agent runtime -----------------------------------------------------------------------------
+
+
+def runner_config(config, *, recursive: bool | None = None, greedy: bool = False,
+                  seed: int | None = None) -> runner_lib.RunnerConfig:
+  a = config.agent
+  if a.mode not in ("recursive", "single"):
+    raise ValueError(f"config.agent.mode={a.mode!r}: use 'recursive' or 'single'.")
+  return runner_lib.RunnerConfig(
+      recursive=(a.mode == "recursive") if recursive is None else recursive,
+      max_depth=int(a.max_depth),
+      max_steps_per_agent=int(a.max_steps_per_agent),
+      max_live_agents=int(a.max_live_agents),
+      context_window=int(a.context_window),
+      max_new_tokens=int(a.max_new_tokens),
+      temperature=float(a.eval_temperature if greedy else a.temperature),
+      top_p=1.0 if greedy else float(a.top_p),
+      seed=seed)
+
+
+def sandbox_pool(config):
+  from rao_jax.sandbox_host import SandboxConfig, SandboxPool  # pylint: disable=g-import-not-at-top
+  cfg = SandboxConfig(isolation=config.sandbox.isolation,
+                      cell_timeout_s=float(config.sandbox.cell_timeout_s))
+  return SandboxPool(cfg, size=int(config.sandbox.pool_size))
+
+
+# -- model, engine, learner ----------------------------------------------------------------------
+
+
+def _dtype(name: str):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if name == "auto":
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  try:
+    return jnp.dtype(name)
+  except TypeError as e:
+    raise ValueError(f"config.model.dtype={name!r}: use 'auto', 'float32' or 'bfloat16'.") from e
+
+
+def load_policy(config):
+  """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder)."""
+  from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
+  return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype))
+
+
+def make_mesh(spec: str):
+  """A ("data", "fsdp", "tensor") mesh: "auto" puts every device on "data"."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from rao_jax.model import sharding  # pylint: disable=g-import-not-at-top
+  if spec == "auto":
+    return sharding.make_mesh(jax.device_count(), 1, 1)
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+  for part in spec.split(","):
+    k, _, v = part.partition("=")
+    if k.strip() not in sizes or not v.strip().isdigit():
+      raise ValueError(f"config.learner.mesh={spec!r}: expected 'auto' or e.g. "
+                       "'data=2,fsdp=4,tensor=1'.")
+    sizes[k.strip()] = int(v)
+  return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])
+
+
+def learner_config(config, workdir: str, *, sft: bool = False):
+  from rao_jax.learner import LearnerConfig  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  mesh_rows = jax.device_count() if config.learner.mesh == "auto" else 1
+  micro = max(int(config.learner.micro_batch_rows), 1)
+  micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
+  buckets = tuple(micro * m for m in (1, 2, 4, 8, 16))
+  return LearnerConfig(
+      loss="rao" if sft else config.rl.loss,
+      lam=float(config.rl.lam),
+      clip_eps=float(config.rl.clip_eps),
+      kl_coef=0.0 if sft else float(config.rl.kl_coef),
+      temperature=1.0 if sft else max(float(config.agent.temperature), 1e-6),
+      lr=float(config.sft.lr if sft else config.optim.lr),
+      warmup_steps=int(config.optim.warmup_steps),
+      total_steps=max(int(config.sft.steps if sft else config.total_steps), 1),
+      weight_decay=float(config.optim.weight_decay),
+      b1=float(config.optim.b1), b2=float(config.optim.b2),
+      grad_clip=float(config.optim.grad_clip),
+      row_len=int(config.learner.row_len),
+      micro_batch_rows=micro,
+      bucket_rows=buckets,
+      seed=int(config.seed),
+      ckpt_dir=os.path.join(os.path.abspath(workdir), "checkpoints"),
+      ckpt_every=int(config.ckpt.every),
+      ckpt_keep=int(config.ckpt.keep))
+
+
+def make_engine(config, model, tokenizer):
+  """The rollout engine of `config.rollout.engine`, serving `model`'s current weights."""
+  kind = config.rollout.engine
+  if kind == "embedded":
+    from rao_jax.rollout.embedded import EmbeddedEngine  # pylint: disable=g-import-not-at-top
+    max_len = int(config.rollout.max_cache_len)
+    return EmbeddedEngine(model, num_slots=int(config.rollout.num_slots), max_len=max_len,
+                          seed=int(config.seed))
+  if kind == "sglang":
+    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
+    urls = list(config.rollout.urls)
+    if not urls:
+      raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
+                       "http://host:30000[,http://host2:30000].")
+    return SGLangEngine(urls)
+  raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
+
+
+def make_runner(config, env, engine, tokenizer, repls, **kw) -> runner_lib.TreeRunner:
+  return runner_lib.TreeRunner(env, engine, tokenizer, repls, runner_config(config, **kw))
+
+
+@dataclasses.dataclass
+class RolloutStats:
+  """What the trainer logs about one batch of trees."""
+  wall_s: float
+  generated_tokens: int
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.generated_tokens / max(self.wall_s, 1e-9)
+
+
+def success_rate(trees) -> float:
+  return float(np.mean([t.root.success or 0.0 for t in trees])) if trees else 0.0
+
+
+def binomial_ci95(successes: Sequence[float]) -> tuple[float, float]:
+  """Normal-approximation 95% interval of a mean of values in [0, 1]."""
+  x = np.asarray(successes, np.float64)
+  if x.size == 0:
+    return (0.0, 0.0)
+  m = float(x.mean())
+  half = 1.96 * float(x.std(ddof=1) if x.size > 1 else 0.0) / np.sqrt(x.size)
+  return (m - half, m + half)
+

@@ -1,0 +1,123 @@
+"""The main job end to end on a tiny random model: train, checkpoint, resume, evaluate, stop.
+
+The model is a random-weights ModelConfig.tiny() of SmolLM2 written as an HF folder, so the
+run goes through the same loading, engine, sandbox, runner, learner and checkpoint code that
+`python -m experiments.train` uses; only the weights are small.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments.configs import textcraft_synth
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+  from flax import nnx
+  from rao_jax.model import ModelConfig, Transformer, export_hf, resolve_model_path
+  from rao_jax.model.tokenizer import Tokenizer
+  gguf = resolve_model_path("smollm2-135m")
+  cfg = ModelConfig.from_gguf(gguf).tiny()
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  out = str(tmp_path_factory.mktemp("tiny_hf"))
+  export_hf(model, cfg, Tokenizer.from_gguf(gguf), out)
+  return out
+
+
+def _config(model_dir, total_steps=2):
+  c = textcraft_synth.get_config("recursive,smoke")
+  c.model.name = model_dir
+  c.total_steps = total_steps
+  c.agent.max_new_tokens = 16
+  c.agent.max_steps_per_agent = 2
+  c.agent.context_window = 1024
+  c.rollout.max_cache_len = 1024
+  c.rollout.num_slots = 4
+  c.rl.kl_coef = 0.01          # keeps every node in the batch, so the step runs at s = 0
+  c.learner.row_len = 1024
+  c.eval.every = 2
+  c.eval.num_tasks = 1
+  c.log.progress = False
+  c.log.tensorboard = True
+  return c
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f]
+
+
+def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):
+  from rao_jax import evaluation, trainer
+  wd = str(tmp_path / "run")
+  res = trainer.train(_config(tiny_hf_dir, 2), wd)
+  assert res["step"] == 2 and not res["stopped"]
+  rows = _metrics(wd)
+  train_steps = [r["step"] for r in rows if "train/success" in r]
+  assert train_steps == [1, 2]
+  row = [r for r in rows if "train/success" in r][-1]
+  for key in ("train/reward", "train/learner/loss", "train/rollout/tokens_per_s",
+              "train/time/rollout_s", "train/time/learner_s", "train/tree_depth",
+              "train/rl/frac_source_verifier"):
+    assert key in row, (key, sorted(row))
+  assert any("eval/success_easy" in r for r in rows)
+  assert os.path.exists(os.path.join(wd, "plot.png"))
+  assert os.path.exists(os.path.join(wd, "eval", "step_000002", "trees.html"))
+  assert os.listdir(os.path.join(wd, "tensorboard"))
+  assert sorted(os.listdir(os.path.join(wd, "trees"))) == ["step_000000.jsonl",
+                                                           "step_000001.jsonl"]
+
+  # Restarting with more steps resumes at the saved data position.
+  res = trainer.train(_config(tiny_hf_dir, 3), wd)
+  assert res["step"] == 3
+  assert [r["step"] for r in _metrics(wd) if "train/success" in r] == [1, 2, 3]
+
+  ev = evaluation.evaluate_checkpoint(wd, num_tasks=1)
+  assert ev["step"] == 3
+  assert set(ev["modes"]) == {"recursive", "single"}
+  for per in ev["modes"].values():
+    assert 0.0 <= per["easy"]["success"] <= 1.0 and per["easy"]["num_tasks"] == 1
+  assert os.path.exists(os.path.join(ev["out_dir"], "trees.html"))
+  with pytest.raises(ValueError, match="available steps"):
+    evaluation.evaluate_checkpoint(wd, step=99, num_tasks=1)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_hf_dir, tmp_path):
+  wd = str(tmp_path / "run")
+  cmd = [sys.executable, "-m", "experiments.train",
+         "--config=experiments/configs/textcraft_synth.py:recursive,smoke", f"--workdir={wd}",
+         f"--config.model.name={tiny_hf_dir}", "--config.total_steps=50",
+         "--config.agent.max_new_tokens=16", "--config.agent.max_steps_per_agent=2",
+         "--config.agent.context_window=1024", "--config.rollout.max_cache_len=1024",
+         "--config.learner.row_len=1024", "--config.rl.kl_coef=0.01",
+         "--config.ckpt.every=1000", "--config.eval.every=1000", "--config.log.progress=False"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  metrics = os.path.join(wd, "metrics.jsonl")
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+      break
+    time.sleep(0.5)
+  assert proc.poll() is None, proc.stdout.read()
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=180)
+  assert proc.returncode == 0, out
+  steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+  assert steps and steps[-1] >= 1, (steps, out)
+  done = len([1 for l in open(metrics) if "train/success" in l])
+  assert steps[-1] == done
+  # The same command resumes from there (run it for one more step only).
+  cmd2 = [a if not a.startswith("--config.total_steps") else f"--config.total_steps={done + 1}"
+          for a in cmd]
+  out = subprocess.run(cmd2, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert [r["step"] for r in _metrics(wd) if "train/success" in r] == list(range(1, done + 2))
