@@ -593,11 +593,14 @@ class _Repl:
     return None
 
   def _run_code(self, code):
+    if self.loop is None:
+      # The agents' prompts promise `asyncio` in the namespace (for asyncio.gather); importing
+      # it at the first cell rather than at spawn keeps the cold start short.
+      import asyncio
+      self.loop = asyncio.new_event_loop()
+      asyncio.set_event_loop(self.loop)
+      self.ns.setdefault("asyncio", asyncio)
     if code.co_flags & 0x80:  # CO_COROUTINE: the cell uses top-level await
-      if self.loop is None:
-        import asyncio
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
       return self.loop.run_until_complete(eval(code, self.ns))  # pylint: disable=eval-used
     return eval(code, self.ns)  # pylint: disable=eval-used
 
