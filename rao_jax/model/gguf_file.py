@@ -6,6 +6,7 @@ the Hugging Face layout our RoPE ("rotate_half") expects.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -27,17 +28,26 @@ class WeightFileError(ValueError):
 
 
 def open_reader(path: str):
-  """A ``gguf.GGUFReader`` for ``path``; a damaged file raises WeightFileError naming it."""
-  import gguf
+  """A ``gguf.GGUFReader`` for ``path``; a damaged file raises WeightFileError naming it.
+
+  Readers are cached per (path, size, mtime): parsing the metadata of a 49k-token vocabulary
+  takes seconds, and config, weights and tokenizer all need it.
+  """
   if not os.path.isfile(path):
     raise WeightFileError(f"GGUF weight file not found: {path}. {INSTALL_HINT}")
+  st = os.stat(path)
+  return _open_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, size: int, mtime_ns: int):
+  import gguf
   try:
     reader = gguf.GGUFReader(path, "r")
   except Exception as e:  # the reader raises assorted errors on damaged files
     raise WeightFileError(
         f"GGUF weight file {path} is truncated or corrupt ({type(e).__name__}: {e}). "
         f"{INSTALL_HINT}") from e
-  size = os.path.getsize(path)
   for t in reader.tensors:
     end = int(t.data_offset) + int(t.n_bytes)
     if end > size:
