@@ -475,6 +475,8 @@ def load_textcraft_jsonl(path: str, env: str = "textcraft", difficulty: str | No
         fields = {"target_items": misc["target_items"],
                   "initial_inventory": misc.get("initial_inventory", {}),
                   "gold_trajectory": misc.get("gold_trajectory", [])}
+        # Other misc keys (e.g. the synth generator's crafting_depth) are kept as they are.
+        fields.update({k: v for k, v in misc.items() if k not in fields and k != "difficulty"})
       except (KeyError, TypeError) as e:
         raise ValueError(f"{path}:{lineno}: not a TextCraft task ({e}); expected "
                          "{'goal', 'id', 'max_steps', 'misc': {'target_items', ...}}.") from e
