@@ -263,7 +263,9 @@ FIND_PROTOCOL_FD = (
     "def is_sock(f):\n"
     "  try:\n    return stat.S_ISSOCK(os.fstat(f).st_mode)\n  except OSError:\n"
     "    return False\n"
-    "fd = [f for f in range(3, 64) if is_sock(f)][0]\n")
+    # The protocol socket is one of these (the others belong to the REPL's event loop and
+    # ignore what they are sent), so the agent writes to all of them.
+    "fds = [f for f in range(3, 64) if is_sock(f)]\n")
 
 
 def test_forged_messages_on_the_protocol_fd_are_rejected():
@@ -273,10 +275,11 @@ def test_forged_messages_on_the_protocol_fd_are_rejected():
   code = FIND_PROTOCOL_FD + (
       "import json\n"
       "def frame(m):\n  b = json.dumps(m).encode()\n  return len(b).to_bytes(4, 'big') + b\n"
-      "os.write(fd, frame({'op': 'done', 'id': '0' * 32, 'output': 'FORGED', 'error': None}))\n"
-      "os.write(fd, frame({'op': 'tool', 'cell': 'f' * 32, 'rid': 'r1', 'name': 'craft',\n"
-      "                    'args': ['forged'], 'kwargs': {}}))\n"
-      "os.write(fd, frame({'op': 'hello'}))\n"
+      "for fd in fds:\n"
+      "  os.write(fd, frame({'op': 'done', 'id': '0' * 32, 'output': 'FORGED', 'error': None}))\n"
+      "  os.write(fd, frame({'op': 'tool', 'cell': 'f' * 32, 'rid': 'r1', 'name': 'craft',\n"
+      "                      'args': ['forged'], 'kwargs': {}}))\n"
+      "  os.write(fd, frame({'op': 'hello'}))\n"
       "import time\ntime.sleep(0.2)\nprint('real end')")
   res, _ = attack(code, tools={"craft": lambda x: calls.append(x) or x})
   assert res.output == "real end\n" and not res.crashed, res.observation
@@ -285,7 +288,8 @@ def test_forged_messages_on_the_protocol_fd_are_rejected():
 
 def test_garbage_on_the_protocol_fd_replaces_the_sandbox():
   code = FIND_PROTOCOL_FD + (
-      "os.write(fd, (2**31).to_bytes(4, 'big') + b'x' * 100)\n"
+      "for fd in fds:\n"
+      "  os.write(fd, (2**31).to_bytes(4, 'big') + b'x' * 100)\n"
       "import time\ntime.sleep(5)")
   res, _ = attack(code)
   assert res.crashed and res.sandbox_restarted

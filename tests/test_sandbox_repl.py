@@ -265,3 +265,44 @@ def test_seccomp_filter_is_active_in_the_jail():
   assert info["seccomp"] is True
   assert res.output == "io_uring EPERM\nclone3 ENOSYS\ninet EACCES\nthreads still work\n", \
       res.observation
+
+
+@pytest.mark.parametrize("counts", [False, True], ids=["tool-time-excluded", "tool-time-counted"])
+def test_time_spent_in_host_tools_is_not_charged_to_the_cell(counts):
+  """A parent awaiting a long subagent is not killed for the host's time (by default)."""
+  cfg = SandboxConfig(isolation="bwrap", cell_timeout_s=0.6, timeout_counts_tool_time=counts)
+
+  async def launch_subagent(goal):
+    await asyncio.sleep(0.5)
+    return goal
+
+  async def body(sb):
+    return await sb.run_cell(
+        "import asyncio\nr = [await launch_subagent(str(i)) for i in range(3)]\nprint(r)",
+        {"launch_subagent": launch_subagent})
+
+  res = run_in_sandbox(body, cfg)
+  if counts:
+    assert res.timed_out and res.sandbox_restarted
+  else:
+    assert res.output == "['0', '1', '2']\n" and not res.timed_out, res.observation
+    assert res.duration_s > 1.4
+
+
+def test_tool_calls_in_flight_are_capped():
+  cfg = SandboxConfig(isolation="bwrap", max_pending_tool_calls=4)
+
+  async def launch_subagent(goal):
+    await asyncio.sleep(0.3)
+    return goal
+
+  async def body(sb):
+    return await sb.run_cell(
+        "import asyncio\n"
+        "rs = await asyncio.gather(*[launch_subagent(i) for i in range(6)], "
+        "return_exceptions=True)\n"
+        "print(sum(isinstance(r, int) for r in rs), sorted({str(r)[:40] for r in rs "
+        "if isinstance(r, Exception)}))", {"launch_subagent": launch_subagent})
+
+  res = run_in_sandbox(body, cfg)
+  assert res.output == "4 ['too many tool calls in flight (the limit']\n", res.observation

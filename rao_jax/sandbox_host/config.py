@@ -16,7 +16,11 @@ class SandboxConfig:
       "process" (a plain child process with rlimits and seccomp only; weaker, used only when
       the user asks for it, and logged as a warning).
     cell_timeout_s: wall-clock seconds one cell may run; past it the whole sandbox is killed
-      and replaced by a fresh one.
+      and replaced by a fresh one. Time while a host tool call is in flight (a subagent the
+      cell awaits) is not counted unless timeout_counts_tool_time; those calls are bounded
+      by the host's own limits.
+    timeout_counts_tool_time: count time spent waiting for host tools against
+      cell_timeout_s too.
     max_output_chars: characters of stdout+stderr kept per cell (a note says what was cut).
     memory_mb: address-space limit of the REPL process (RLIMIT_AS), MiB.
     file_size_mb: largest file the REPL may write (RLIMIT_FSIZE), MiB.
@@ -28,6 +32,8 @@ class SandboxConfig:
     spawn_timeout_s: seconds a new sandbox may take to report ready.
     tool_arg_max_bytes: largest protocol message (tool call, output) accepted from the
       sandbox; a bigger one is a protocol violation and the sandbox is replaced.
+    max_pending_tool_calls: tool calls one sandbox may have in flight at once; more are
+      refused with an error inside the sandbox.
     max_concurrent_spawns: sandboxes started at the same time by one pool (CPU-bound).
     extra_ro_paths: more host paths bound read-only at the same place (bwrap mode), e.g. a
       data folder the agents may read.
@@ -35,6 +41,7 @@ class SandboxConfig:
   """
   isolation: str = "bwrap"
   cell_timeout_s: float = 30.0
+  timeout_counts_tool_time: bool = False
   max_output_chars: int = 20_000
   memory_mb: int = 1024
   file_size_mb: int = 64
@@ -44,6 +51,7 @@ class SandboxConfig:
   seccomp: bool = True
   spawn_timeout_s: float = 30.0
   tool_arg_max_bytes: int = 32 * 1024 * 1024
+  max_pending_tool_calls: int = 256
   max_concurrent_spawns: int = 8
   extra_ro_paths: tuple[str, ...] = ()
   python: str = ""
@@ -59,10 +67,14 @@ class SandboxConfig:
         "tmp_size_mb": self.tmp_size_mb, "open_files": self.open_files,
         "spawn_timeout_s": self.spawn_timeout_s, "tool_arg_max_bytes": self.tool_arg_max_bytes,
         "max_concurrent_spawns": self.max_concurrent_spawns,
+        "max_pending_tool_calls": self.max_pending_tool_calls,
     }
     for name, value in positive.items():
       if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"SandboxConfig.{name}={value!r} must be a positive number")
+    for name in ("seccomp", "timeout_counts_tool_time"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"SandboxConfig.{name}={getattr(self, name)!r} must be True or False")
     if self.memory_mb < 128:
       raise ValueError(f"SandboxConfig.memory_mb={self.memory_mb} is too small for a Python "
                        f"REPL; use at least 128 (default 1024)")

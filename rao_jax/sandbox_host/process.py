@@ -67,6 +67,13 @@ class ReplProcess:
     self._cell_id = ""
     self._tools: Mapping[str, Callable] = {}
     self._tool_tasks: dict[str, asyncio.Task] = {}
+    # The cell clock: a deadline timer that is paused while a host tool call is in flight
+    # (unless cfg.timeout_counts_tool_time), so a parent awaiting long subagents is not
+    # killed for time spent on the host.
+    self._count_tools = True
+    self._remaining = 0.0
+    self._deadline = 0.0
+    self._deadline_handle: asyncio.TimerHandle | None = None
     self._stderr = bytearray()
     self._tmpdir = ""
     self.dead_reason = ""
@@ -197,20 +204,28 @@ class ReplProcess:
       raise SandboxDied(self.dead_reason) from None
 
   async def _request(self, msg: dict, tools: Mapping[str, Callable] | None,
-                     timeout: float | None) -> dict:
+                     timeout: float) -> dict:
     if self._waiter is not None:
       raise RuntimeError("this sandbox is already running a cell; await it first")
+    loop = asyncio.get_running_loop()
     nonce = secrets.token_hex(16)
     msg["id"] = nonce
     self._waiter_id = nonce
-    self._waiter = asyncio.get_running_loop().create_future()
+    self._waiter = loop.create_future()
     if tools is not None:
       self._cell_id = nonce
       self._tools = tools
+    self._count_tools = tools is None or self.cfg.timeout_counts_tool_time
+    self._remaining = timeout
+    self._deadline_handle = None
+    self._update_clock()
     try:
       await self._send(msg)
-      return await asyncio.wait_for(self._waiter, timeout)
+      return await self._waiter
     finally:
+      if self._deadline_handle is not None:
+        self._deadline_handle.cancel()
+        self._deadline_handle = None
       self._waiter = None
       self._waiter_id = ""
       self._cell_id = ""
@@ -219,6 +234,26 @@ class ReplProcess:
       for t in self._tool_tasks.values():
         t.cancel()
       self._tool_tasks.clear()
+
+  def _update_clock(self) -> None:
+    """(Re)starts or pauses the cell's deadline after the set of tool calls changed."""
+    waiter = self._waiter
+    if waiter is None or waiter.done():
+      return
+    loop = asyncio.get_running_loop()
+    paused = bool(self._tool_tasks) and not self._count_tools
+    if paused and self._deadline_handle is not None:
+      self._remaining = max(0.0, self._deadline - loop.time())
+      self._deadline_handle.cancel()
+      self._deadline_handle = None
+    elif not paused and self._deadline_handle is None:
+      self._deadline = loop.time() + self._remaining
+      self._deadline_handle = loop.call_later(self._remaining, self._on_deadline, waiter)
+
+  @staticmethod
+  def _on_deadline(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+      waiter.set_exception(asyncio.TimeoutError())
 
   async def run(self, code: str, tools: Mapping[str, Callable], max_output: int,
                 timeout: float) -> dict:
@@ -325,6 +360,7 @@ class ReplProcess:
       task = self._tool_tasks.pop(str(msg.get("rid")), None)
       if task is not None:
         task.cancel()
+        self._update_clock()
     else:
       log.debug("sandbox %d: ignored message op=%r", self.pid, op)
 
@@ -337,19 +373,23 @@ class ReplProcess:
     kwargs = msg.get("kwargs", {})
     error = None
     if not self._cell_id or msg.get("cell") != self._cell_id:
-      error = "ToolError: tools can only be called while a cell is running"
+      error = "tools can only be called while a cell is running"
     elif rid in self._tool_tasks:
-      error = "ToolError: duplicate request id"
+      error = "duplicate request id"
     elif not isinstance(name, str) or name not in self._tools:
       error = f"NameError: no tool named {name!r} is available in this cell"
     elif not isinstance(args, list) or not isinstance(kwargs, dict):
       error = "TypeError: malformed tool call"
+    elif len(self._tool_tasks) >= self.cfg.max_pending_tool_calls:
+      error = (f"too many tool calls in flight (the limit is "
+               f"{self.cfg.max_pending_tool_calls}); await some before starting more")
     if error is not None:
       asyncio.create_task(self._reply_safely({"op": "reply", "rid": rid, "ok": False,
                                               "error": error}))
       return
     task = asyncio.create_task(self._run_tool(rid, name, self._tools[name], args, kwargs))
     self._tool_tasks[rid] = task
+    self._update_clock()
 
   async def _run_tool(self, rid: str, name: str, fn: Callable, args: list, kwargs: dict):
     try:
@@ -372,6 +412,7 @@ class ReplProcess:
     finally:
       if self._tool_tasks.get(rid) is asyncio.current_task():
         del self._tool_tasks[rid]
+        self._update_clock()
     if self._writer is not None and not self.dead_reason:
       try:
         self._writer.write(reply)

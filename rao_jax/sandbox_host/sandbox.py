@@ -146,7 +146,8 @@ class Sandbox:
         reply = await self._proc.run(code, tools, self.cfg.max_output_chars,
                                      self.cfg.cell_timeout_s)
       except asyncio.TimeoutError:
-        msg = (f"[the cell did not finish within {self.cfg.cell_timeout_s:g} s and was "
+        own = "" if self.cfg.timeout_counts_tool_time else " (not counting tool calls)"
+        msg = (f"[the cell did not finish within {self.cfg.cell_timeout_s:g} s{own} and was "
                f"stopped: the sandbox was killed and replaced by a fresh one; all variables "
                f"you defined are gone{self._rebound_note()}]")
         return await self._after_failure(t0, notes + [msg], timed_out=True, crashed=False)
