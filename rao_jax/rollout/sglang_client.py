@@ -1,0 +1,353 @@
+"""SGLangEngine: the rollout interface over SGLang-native HTTP servers (or rao_jax.rollout.serve).
+
+Token in, token out: requests send ``input_ids`` with ``return_logprob`` and ``no_stop_trim``
+and explicit sampling parameters; tokens and logprobs are read from
+``meta_info.output_token_logprobs`` (their count is checked against ``completion_tokens``).
+Connection errors, timeouts and 5xx answers are retried with exponential backoff, on another
+server when there are several; a request that cannot be served in ``retry_timeout`` seconds
+returns FinishReason.ABORT (never hangs). Requests the server aborted on its own (a weight
+update pausing with mode "abort") are continued: prompt + partial output is re-sent with the
+remaining token budget, and the pieces are joined.
+
+Weight sync (``update_weights_from_disk`` / ``sync_weights``) follows the SGLang RL recipe on
+every server: pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk
+-> continue_generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import random
+import uuid
+from typing import Any, Sequence
+
+import aiohttp
+
+from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
+              ConnectionError)
+
+
+class ServerError(RuntimeError):
+  """A retryable server failure (5xx or a malformed answer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+  """Timeouts and retry policy of SGLangEngine.
+
+  Attributes:
+    request_timeout: seconds one HTTP /generate may take.
+    connect_timeout: seconds to establish a connection.
+    retry_timeout: seconds a request keeps retrying before it is reported aborted.
+    backoff: first retry delay in seconds (doubles each retry, with jitter).
+    max_backoff: cap on the retry delay.
+    max_continuations: times a server-aborted request is continued before giving up.
+    flush_timeout: seconds /flush_cache is retried during a weight update.
+    forward_session_ids: send ``session_params: {"id": ...}`` (understood by
+      rao_jax.rollout.serve; real SGLang servers reuse prefixes with their radix cache instead).
+  """
+  request_timeout: float = 600.0
+  connect_timeout: float = 10.0
+  retry_timeout: float = 120.0
+  backoff: float = 0.25
+  max_backoff: float = 4.0
+  max_continuations: int = 16
+  flush_timeout: float = 120.0
+  forward_session_ids: bool = False
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.type in ("float", "int") and not v > 0 and f.name != "max_continuations":
+        raise ValueError(f"ClientConfig.{f.name}={v!r}: must be > 0.")
+    if self.max_continuations < 0:
+      raise ValueError(f"ClientConfig.max_continuations={self.max_continuations!r}: must be "
+                       ">= 0.")
+
+
+class SGLangEngine(Engine):
+  """An Engine that sends requests to one or more SGLang-native servers.
+
+  Args:
+    urls: base URLs (``http://host:port``); load is spread by fewest requests in flight, and a
+      session sticks to one server while it is healthy (its prefix cache stays warm).
+    config: a ClientConfig, or its fields as keyword arguments.
+    weight_version: reported until a server answers with its own.
+  """
+
+  def __init__(self, urls: str | Sequence[str], config: ClientConfig | None = None, *,
+               weight_version: int | str = 0, **kwargs):
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                           for u in urls):
+      raise ValueError(f"SGLangEngine urls={urls!r}: give one or more http(s):// base URLs.")
+    self.urls = [u.rstrip("/") for u in urls]
+    self.config = config if config is not None else ClientConfig(**kwargs)
+    self._version = weight_version
+    self._inflight = {u: 0 for u in self.urls}
+    self._rr = 0
+    self._sessions: dict[str, str] = {}
+    self._current: dict[str, tuple[str, str]] = {}     # rid -> (url, http rid)
+    self._aborted: set[str] = set()
+    self._http: aiohttp.ClientSession | None = None
+    self._http_loop = None
+
+  @property
+  def weight_version(self) -> int | str:
+    return self._version
+
+  # ---- HTTP plumbing --------------------------------------------------------------------------
+  def _session(self) -> aiohttp.ClientSession:
+    loop = asyncio.get_running_loop()
+    if self._http is None or self._http.closed or self._http_loop is not loop:
+      c = self.config
+      self._http = aiohttp.ClientSession(
+          timeout=aiohttp.ClientTimeout(total=c.request_timeout, sock_connect=c.connect_timeout),
+          connector=aiohttp.TCPConnector(limit=0, force_close=False))
+      self._http_loop = loop
+    return self._http
+
+  def _pick(self, session_id: str | None, avoid: str | None) -> str:
+    if session_id is not None and self._sessions.get(session_id) not in (None, avoid):
+      return self._sessions[session_id]
+    cands = [u for u in self.urls if u != avoid] or self.urls
+    self._rr += 1
+    url = min(cands, key=lambda u: (self._inflight[u], (self.urls.index(u) - self._rr)
+                                    % len(self.urls)))
+    if session_id is not None:
+      self._sessions[session_id] = url
+    return url
+
+  async def _post(self, url: str, path: str, body: Any = None, timeout: float | None = None):
+    """One POST; returns (status, parsed JSON or text). Raises on connection problems."""
+    kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+    async with self._session().post(url + path, json=body if body is not None else {},
+                                    **kw) as resp:
+      text = await resp.text()
+      try:
+        data = json.loads(text) if text else None
+      except ValueError:
+        data = text
+      return resp.status, data
+
+  # ---- generation -----------------------------------------------------------------------------
+  async def generate(self, request: GenerateRequest) -> GenerateResult:
+    p = request.params
+    prompt = [int(t) for t in request.prompt_ids]
+    if not prompt:
+      raise ValueError("GenerateRequest.prompt_ids is empty: give at least one token id.")
+    rid = request.rid or uuid.uuid4().hex
+    budget = p.max_new_tokens
+    capped = False
+    if request.context_limit is not None:
+      room = request.context_limit - len(prompt)
+      if room <= 0:
+        return GenerateResult([], [], FinishReason.CONTEXT, self._version, len(prompt),
+                              message=f"the prompt ({len(prompt)} tokens) already fills the "
+                                      f"context limit ({request.context_limit} tokens)")
+      if room < budget:
+        budget, capped = room, True
+    tokens: list[int] = []
+    logps: list[float] = []
+    cached = 0
+    version = self._version
+    continuations = 0
+    try:
+      while True:
+        left = budget - len(tokens)
+        meta, out_tok, out_lp = await self._generate_once(rid, request, prompt + tokens, left)
+        if meta is None:      # retries exhausted or the caller aborted while we waited
+          return GenerateResult(tokens, logps, FinishReason.ABORT, version, len(prompt), cached,
+                                message=out_tok)
+        tokens += out_tok
+        logps += out_lp
+        cached += int(meta.get("cached_tokens") or 0)
+        version = meta.get("weight_version", version)
+        self._version = version
+        fr = meta.get("finish_reason") or {}
+        kind = fr.get("type") if isinstance(fr, dict) else None
+        if kind == "stop":
+          reason = FinishReason.STOP
+        elif kind == "length":
+          reason = (FinishReason.CONTEXT if fr.get("reason") == "context"
+                    or (capped and len(tokens) >= budget) else FinishReason.LENGTH)
+        elif kind == "abort" or kind is None:
+          if rid in self._aborted or continuations >= self.config.max_continuations:
+            return GenerateResult(tokens, logps, FinishReason.ABORT, version, len(prompt),
+                                  cached, message=str(fr.get("message", "aborted")
+                                                      if isinstance(fr, dict) else fr))
+          if len(tokens) >= budget:
+            reason = FinishReason.CONTEXT if capped else FinishReason.LENGTH
+          else:
+            continuations += 1    # aborted by the server (e.g. a weight update): continue
+            continue
+        else:
+          raise ServerError(f"unknown finish_reason {fr!r}")
+        msg = fr.get("message", "") if reason == FinishReason.CONTEXT else ""
+        return GenerateResult(tokens, logps, reason, version, len(prompt), cached, message=msg)
+    finally:
+      self._current.pop(rid, None)
+      self._aborted.discard(rid)
+
+  def _payload(self, request: GenerateRequest, ids: list[int], max_new: int, http_rid: str):
+    p = request.params
+    sp = {"max_new_tokens": int(max_new), "temperature": float(p.temperature),
+          "top_p": float(p.top_p), "top_k": int(p.top_k),
+          "stop_token_ids": [int(t) for t in p.stop_token_ids], "no_stop_trim": True,
+          "skip_special_tokens": False}
+    if p.seed is not None:
+      sp["sampling_seed"] = int(p.seed)
+    body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+            "logprob_start_len": -1, "rid": http_rid, "stream": False}
+    if self.config.forward_session_ids and request.session_id is not None:
+      body["session_params"] = {"id": request.session_id}
+    return body
+
+  async def _generate_once(self, rid, request, ids, max_new):
+    """One /generate with retries. Returns (meta, tokens, logprobs), or (None, message, None)
+    when it could not be served."""
+    c = self.config
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + c.retry_timeout
+    delay = c.backoff
+    avoid = None
+    attempt = 0
+    last_error = ""
+    while True:
+      if rid in self._aborted:
+        return None, "aborted by the caller", None
+      url = self._pick(request.session_id, avoid)
+      http_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+      self._current[rid] = (url, http_rid)
+      self._inflight[url] += 1
+      try:
+        status, data = await self._post(url, "/generate",
+                                        self._payload(request, ids, max_new, http_rid))
+        if status >= 500 or status == 429:
+          raise ServerError(f"HTTP {status}: {str(data)[:200]}")
+        if status != 200:
+          msg = data.get("error", {}).get("message") if isinstance(data, dict) else data
+          raise ValueError(f"{url}/generate refused the request (HTTP {status}): {msg}")
+        return (data["meta_info"], *self._read_tokens(data))
+      except (ServerError, KeyError, TypeError) + _RETRYABLE as e:
+        last_error = f"{type(e).__name__}: {e}"
+      finally:
+        self._inflight[url] -= 1
+      attempt += 1
+      if len(self.urls) > 1:
+        avoid = url
+      if request.session_id is not None:
+        self._sessions.pop(request.session_id, None)
+      if loop.time() + delay > deadline:
+        log.warning("request %s gave up after %d attempts: %s", rid, attempt, last_error)
+        return None, f"server unreachable after {attempt} attempts: {last_error}", None
+      log.info("request %s attempt %d failed (%s); retrying in %.2f s", rid, attempt,
+               last_error, delay)
+      await asyncio.sleep(delay * (0.5 + random.random()))
+      delay = min(delay * 2, c.max_backoff)
+
+  @staticmethod
+  def _read_tokens(data: dict) -> tuple[list[int], list[float]]:
+    meta = data["meta_info"]
+    lps = meta.get("output_token_logprobs")
+    if lps is None:
+      raise ServerError("meta_info.output_token_logprobs is missing (return_logprob ignored?)")
+    n = int(meta.get("completion_tokens", len(lps)))
+    if len(lps) != n:
+      raise ServerError(f"{len(lps)} output_token_logprobs for {n} completion_tokens")
+    return [int(x[1]) for x in lps], [float(x[0]) for x in lps]
+
+  async def abort(self, rid: str) -> None:
+    """Aborts ``rid``: it returns FinishReason.ABORT with the tokens produced so far."""
+    self._aborted.add(rid)
+    cur = self._current.get(rid)
+    if cur is not None:
+      url, http_rid = cur
+      try:
+        await self._post(url, "/abort_request", {"rid": http_rid, "abort_all": False},
+                         timeout=self.config.connect_timeout)
+      except _RETRYABLE as e:
+        log.warning("abort of %s on %s failed: %s", rid, url, e)
+
+  async def end_session(self, session_id: str) -> None:
+    self._sessions.pop(session_id, None)
+
+  # ---- control --------------------------------------------------------------------------------
+  async def _control(self, url: str, path: str, body=None, ok=(200,)):
+    """A control POST retried on connection errors until retry_timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + self.config.retry_timeout
+    delay = self.config.backoff
+    while True:
+      try:
+        status, data = await self._post(url, path, body, timeout=self.config.request_timeout)
+        if status < 500:
+          return status, data
+        err = f"HTTP {status}"
+      except _RETRYABLE as e:
+        err = f"{type(e).__name__}: {e}"
+      if loop.time() + delay > deadline:
+        raise ConnectionError(f"{url}{path} failed until the retry timeout: {err}")
+      await asyncio.sleep(delay)
+      delay = min(delay * 2, self.config.max_backoff)
+
+  async def update_weights_from_disk(self, model_path: str, version: int | str) -> None:
+    """Loads an HF checkpoint folder on every server: pause -> flush -> update -> continue.
+
+    Requests in flight are aborted by the pause and continued by their ``generate`` calls
+    once generation resumes (with the new weights for the remaining tokens).
+    """
+    await asyncio.gather(*[self._update_one(u, model_path, version) for u in self.urls])
+    self._version = str(version)
+
+  async def _update_one(self, url, model_path, version):
+    loop = asyncio.get_running_loop()
+    await self._control(url, "/pause_generation", {"mode": "abort"})
+    try:
+      deadline = loop.time() + self.config.flush_timeout
+      while True:   # 400 while requests are still draining: retry until 200
+        status, _ = await self._control(url, "/flush_cache")
+        if status == 200:
+          break
+        if loop.time() > deadline:
+          raise TimeoutError(f"{url}/flush_cache kept failing for "
+                             f"{self.config.flush_timeout} s.")
+        await asyncio.sleep(0.1)
+      status, data = await self._control(
+          url, "/update_weights_from_disk",
+          {"model_path": model_path, "weight_version": str(version), "flush_cache": True})
+      if status != 200 or not (isinstance(data, dict) and data.get("success")):
+        raise RuntimeError(f"{url}/update_weights_from_disk failed (HTTP {status}): {data}")
+    finally:
+      await self._control(url, "/continue_generation")
+
+  async def sync_weights(self, model, version: int, export_root: str, *, tokenizer=None,
+                         cfg=None) -> str:
+    """Exports ``model`` to ``export_root/v{version:06d}`` (HF format) and loads it on every
+    server. Returns the folder."""
+    from rao_jax.model.weights import export_hf
+    name = f"v{version:06d}" if isinstance(version, int) else f"v{version}"
+    out = os.path.join(export_root, name)
+    await asyncio.to_thread(export_hf, model, cfg, tokenizer, out)
+    await self.update_weights_from_disk(out, version)
+    return out
+
+  async def get_weight_versions(self) -> dict[str, str]:
+    """Each server's current weight version."""
+    out = {}
+    for u in self.urls:
+      async with self._session().get(u + "/get_weight_version") as resp:
+        out[u] = (await resp.json())["weight_version"]
+    return out
+
+  async def close(self) -> None:
+    if self._http is not None and not self._http.closed:
+      await self._http.close()
+    self._http = None
