@@ -216,6 +216,7 @@ def test_endless_cell_is_killed_and_replaced(code):
   res, took, after, new_pid = asyncio.run(main())
   assert res.timed_out and res.sandbox_restarted and not res.crashed
   assert "did not finish within 1 s" in res.output and "variables" in res.output
+  assert res.error == "CellTimeout: the cell ran longer than 1 s"
   assert 1.0 <= took < 8.0
   assert new_pid != old_pids[0]
   # The killed sandbox is gone entirely (bwrap, its reaper and the REPL).
@@ -336,6 +337,7 @@ def test_sys_exit_is_refused_and_os_exit_restarts():
   assert r2.error.startswith("SystemExit('bye')")
   assert r3.output == "1\n"
   assert r4.crashed and r4.sandbox_restarted and "exited with status 3" in r4.output
+  assert r4.error == "SandboxCrashed: the sandbox process exited with status 3"
   assert r5.crashed and "SIGABRT" in r5.output
   assert r6.output == "fresh False\n"
 

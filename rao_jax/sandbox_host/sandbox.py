@@ -23,7 +23,8 @@ class CellResult:
   Attributes:
     output: captured stdout+stderr (fd-level writes included), truncated to
       cfg.max_output_chars with a note; host notes (timeout, crash, restart) are appended.
-    error: short traceback of an exception the cell raised, or None.
+    error: short traceback of an exception the cell raised, or None; after a timeout or a
+      crash a one-line summary ("CellTimeout: ...", "SandboxCrashed: ...").
     timed_out: the cell exceeded cfg.cell_timeout_s; the sandbox was killed.
     crashed: the sandbox process died during the cell (os._exit, a signal, a protocol
       violation).
@@ -150,11 +151,14 @@ class Sandbox:
         msg = (f"[the cell did not finish within {self.cfg.cell_timeout_s:g} s{own} and was "
                f"stopped: the sandbox was killed and replaced by a fresh one; all variables "
                f"you defined are gone{self._rebound_note()}]")
-        return await self._after_failure(t0, notes + [msg], timed_out=True, crashed=False)
+        return await self._after_failure(
+            t0, notes + [msg], timed_out=True, crashed=False,
+            error=f"CellTimeout: the cell ran longer than {self.cfg.cell_timeout_s:g} s")
       except SandboxDied as e:
         msg = (f"[the sandbox process died during the cell ({e}); a fresh sandbox replaced "
                f"it; all variables you defined are gone{self._rebound_note()}]")
-        return await self._after_failure(t0, notes + [msg], timed_out=False, crashed=True)
+        return await self._after_failure(t0, notes + [msg], timed_out=False, crashed=True,
+                                         error=f"SandboxCrashed: {e}")
       self.cells_run += 1
       output = _truncate(str(reply.get("output") or ""), self.cfg.max_output_chars)
       if notes:
@@ -186,7 +190,7 @@ class Sandbox:
       return ""
     return "; the provided variables (" + ", ".join(sorted(self._vars)) + ") are bound again"
 
-  async def _after_failure(self, t0, notes, *, timed_out, crashed) -> CellResult:
+  async def _after_failure(self, t0, notes, *, timed_out, crashed, error) -> CellResult:
     await self._discard_process()
     restarted = True
     try:
@@ -196,7 +200,7 @@ class Sandbox:
       notes.append(f"[a fresh sandbox could not be started yet ({e}); the next cell tries "
                    f"again]")
     self.cells_run += 1
-    return CellResult(output="\n".join(notes), error=None, timed_out=timed_out,
+    return CellResult(output="\n".join(notes), error=error, timed_out=timed_out,
                       crashed=crashed, sandbox_restarted=restarted,
                       duration_s=time.perf_counter() - t0)
 
