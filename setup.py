@@ -38,6 +38,10 @@ setup(
             "accelerate>=1.0",
         ],
         # The SGLang rollout server for GPU nodes; a CPU machine never needs it.
-        "sglang": ["sglang[all]==0.5.5"],
+        # 0.5.6: the first release with everything SGLANG_API.md uses: pause_generation modes
+        # (abort/retract/in_place, sgl-project/sglang#10071, merged after 0.5.5), weight_version
+        # on update_weights_from_disk and meta_info, and /get_weight_version (later releases
+        # replace it with /model_info). slime, the contract's reference driver, pins 0.5.6 too.
+        "sglang": ["sglang[all]==0.5.6"],
     },
 )
