@@ -1,4 +1,4 @@
-"""Multi-hop search (DeepDive-style) environment: graph, corpus, BM25, questions, verifiers, runs."""
+"""Multi-hop search (DeepDive style): graph, corpus, BM25, questions, verifiers, scripted runs."""
 import asyncio
 import re
 
@@ -25,8 +25,8 @@ def world():
 
 def test_normalize_and_aliases():
   assert data.normalize("  The Kalor   Atlas. ") == "kalor atlas"
-  e = data.Entity("person-0000", "person", "Mira Kaltenbrook", ("M. Kaltenbrook", "Kaltenbrook, Mira"),
-                  {}, {})
+  e = data.Entity("person-0000", "person", "Mira Kaltenbrook",
+                  ("M. Kaltenbrook", "Kaltenbrook, Mira"), {}, {})
   assert data.answer_matches("mira kaltenbrook", e)
   assert data.answer_matches("M. Kaltenbrook", e)
   assert data.answer_matches("Kaltenbrook, Mira.", e)
@@ -114,7 +114,8 @@ def test_tools_verifiers_and_child_spec(world):
   city = world.entities[person.rels["born_in"]]
   goal = f"Find the city where {person.name} was born. Reply with only its name."
   spec = env.child_spec(ep, root, (goal,), {"num_steps": 3})
-  assert spec.num_steps == 3 and spec.fields["description"] == f"the city where {person.name} was born"
+  assert spec.num_steps == 3
+  assert spec.fields["description"] == f"the city where {person.name} was born"
   assert env.verify_subtask(ep, _outcome(goal, True, city.name)) == 1.0
   assert env.verify_subtask(ep, _outcome(goal, True, "Nowhere")) == 0.0
   assert env.verify_subtask(ep, _outcome("Find something nice.", True, "x")) is None

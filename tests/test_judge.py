@@ -96,6 +96,14 @@ def test_unfinished_nodes_score_zero_without_a_call():
   assert v.score == 0.0 and engine.requests == 0 and "context" in v.log["skipped"]
 
 
+def test_for_policy_defaults_to_the_policy_engine():
+  tok = ByteChatTokenizer()
+  engine = ScriptedTurnEngine(tok, lambda t, n: "VERDICT: yes")
+  assert LLMJudge.for_policy(engine, tok).engine is engine
+  remote = LLMJudge.for_policy(engine, tok, url="http://127.0.0.1:30000/")
+  assert remote.engine is None and remote.url == "http://127.0.0.1:30000" and remote.api == "openai"
+
+
 def test_constructor_errors_name_the_fix():
   with pytest.raises(ValueError, match="exactly one"):
     LLMJudge()
@@ -155,7 +163,8 @@ def test_sglang_native_http_judge():
   async def generate(request):
     body = await request.json()
     assert "What is 6 x 7?" in body["text"] and body["sampling_params"]["max_new_tokens"] == 32
-    return web.json_response({"text": "SCORE: 0.5", "meta_info": {"finish_reason": {"type": "stop"}}})
+    return web.json_response({"text": "SCORE: 0.5",
+                              "meta_info": {"finish_reason": {"type": "stop"}}})
 
   async def body(url):
     judge = LLMJudge(url=url, api="sglang")

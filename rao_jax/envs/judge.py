@@ -137,6 +137,14 @@ class LLMJudge(base.Judge):
     self.calls: list[dict[str, Any]] = []   # every model call, in order, for saving with trees
     self.num_requests = 0
 
+  @classmethod
+  def for_policy(cls, policy_engine: rollout.Engine, tokenizer: Any, url: str | None = None,
+                 api: str | None = None, cfg: JudgeConfig = JudgeConfig()) -> "LLMJudge":
+    """The default judge: the policy's own engine, unless a judge endpoint `url` is given."""
+    if url:
+      return cls(url=url, api=api or "openai", tokenizer=tokenizer, cfg=cfg)
+    return cls(engine=policy_engine, tokenizer=tokenizer, cfg=cfg)
+
   # -- public ----------------------------------------------------------------------------------
 
   async def __call__(self, request: base.JudgeRequest) -> base.JudgeVerdict:

@@ -52,7 +52,8 @@ class LongContextConfig:
     if self.num_tasks < 1:
       raise ValueError(f"LongContextConfig.num_tasks={self.num_tasks}: must be >= 1.")
     if self.questions_per_doc < 1:
-      raise ValueError(f"LongContextConfig.questions_per_doc={self.questions_per_doc}: must be >= 1.")
+      raise ValueError(
+          f"LongContextConfig.questions_per_doc={self.questions_per_doc}: must be >= 1.")
     bad = [k for k in self.kinds if k not in data.QUESTION_KINDS]
     if bad or not self.kinds:
       raise ValueError(f"LongContextConfig.kinds={self.kinds!r}: use a non-empty subset of "
@@ -102,8 +103,8 @@ outputs are cut.
 _LAUNCH_DOCS = """\
 - await launch_subagent(goal: str, context: str = "", num_steps: int = 20) -> str
     Starts a helper whose REPL variable `context` is the string you pass (e.g. a slice of \
-yours, cut at line ends) with a budget of `num_steps` turns, and returns its final message. Helpers answer structured \
-sub-questions exactly: "Count the records in `context` [with label 'L'] [by user U] [dated in \
+yours, cut at line ends) with a budget of `num_steps` turns, and returns its final message. \
+Helpers answer structured sub-questions exactly: "Count the records in `context` [with label 'L'] [by user U] [dated in \
 month YYYY-MM] grouped by label|user|month. Reply with only a JSON object mapping each \
 label|user|month to its count." (bracketed filters are optional).
 """

@@ -189,8 +189,9 @@ def _make_vocab(rng: np.random.Generator) -> dict[str, list[str]]:
                       for _ in range(6)})
   books = sorted({f"The {_name(rng, 2)} {s}" for s in ("Winter", "Letters", "Garden", "Voyage",
                                                         "Archive", "Lantern") for _ in range(8)})
-  creatures = sorted({f"{_name(rng, 2).lower()} {s}" for s in ("finch", "eel", "gecko", "lynx",
-                                                                "beetle", "newt") for _ in range(6)})
+  creatures = sorted({f"{_name(rng, 2).lower()} {s}"
+                      for s in ("finch", "eel", "gecko", "lynx", "beetle", "newt")
+                      for _ in range(6)})
   abbrs = sorted({"".join(chr(65 + int(i)) for i in rng.integers(0, 26, int(rng.integers(2, 5))))
                   for _ in range(80)})
   return dict(city=cities, city2=cities, person=people, org=orgs, landmark=landmarks, book=books,
@@ -399,7 +400,8 @@ class SubQuestion:
 
   def __post_init__(self):
     if self.group_by not in SUBQ_GROUP_KEYS:
-      raise ValueError(f"SubQuestion.group_by={self.group_by!r}: expected one of {SUBQ_GROUP_KEYS}.")
+      raise ValueError(
+          f"SubQuestion.group_by={self.group_by!r}: expected one of {SUBQ_GROUP_KEYS}.")
     if self.label is not None and self.label not in LABELS:
       raise ValueError(f"SubQuestion.label={self.label!r}: expected one of {LABELS}.")
 

@@ -26,7 +26,6 @@ runtime's byte tokenizer.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import re
@@ -102,7 +101,8 @@ class LongContextPolicyConfig:
     if not 0 < self.chunk_fill < 1:
       raise ValueError(f"LongContextPolicyConfig.chunk_fill={self.chunk_fill}: must be in (0, 1).")
     if self.chars_per_token <= 0:
-      raise ValueError(f"LongContextPolicyConfig.chars_per_token={self.chars_per_token}: must be > 0.")
+      raise ValueError(
+          f"LongContextPolicyConfig.chars_per_token={self.chars_per_token}: must be > 0.")
 
 
 def _code(thought: str, code: str) -> str:
@@ -192,7 +192,8 @@ for ln in _lines:
 if cur:
     chunks.append("".join(cur))
 subq = {subq.text()!r}
-answers = await asyncio.gather(*[launch_subagent(subq, context=c, num_steps={steps}) for c in chunks])
+answers = await asyncio.gather(
+    *[launch_subagent(subq, context=c, num_steps={steps}) for c in chunks])
 totals, failed = {{}}, 0
 for a in answers:
     m = re.search(r"\\{{.*\\}}", a, re.S)

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import re
 import string
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +127,8 @@ class WorldConfig:
 
 
 def normalize(s: str) -> str:
-  """Answer normalisation: case-folded, punctuation and leading articles removed, spaces collapsed."""
+  """Answer normalisation: case folded, punctuation and a leading article removed, spaces
+  collapsed."""
   s = s.casefold().strip()
   s = s.translate(str.maketrans({c: " " for c in string.punctuation}))
   words = s.split()
@@ -196,8 +197,8 @@ class World:
     for _ in range(config.num_books):
       n = fresh((2, 3))
       # No alias: normalisation already drops the leading article ("Tides" == "The Tides").
-      add("book", f"The {n} {['Chronicle', 'Letters', 'Atlas', 'Tides', 'Garden'][int(rng.integers(5))]}",
-          (), {"genre": GENRES[int(rng.integers(len(GENRES)))],
+      kind = ("Chronicle", "Letters", "Atlas", "Tides", "Garden")[int(rng.integers(5))]
+      add("book", f"The {n} {kind}", (), {"genre": GENRES[int(rng.integers(len(GENRES)))],
            "published_year": int(rng.integers(1850, 2024))})
     for rel, (st, ot, _, _) in RELATIONS.items():
       objs = self._by_type[ot]

@@ -168,9 +168,9 @@ def resolve_step(desc: data.Description, segment: str, cfg: SearchPolicyConfig
     if hits:
       return ("code", _code(f"I open {name}'s page.", _open_cell(hits[0]["id"])))
     return ("answer", "")
-  for doc_id, page in pages.items():
-    facts = _page_fits(desc, _page_facts(page)) and _page_facts(page)
-    if facts:
+  for page in pages.values():
+    facts = _page_facts(page)
+    if _page_fits(desc, facts):
       return ("answer", facts["name"])
   seen = set(pages)
   cands = [r for s in searches for r in s if _snippet_fits(desc, r) and r["id"] not in seen]
