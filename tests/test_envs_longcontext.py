@@ -288,3 +288,32 @@ def test_175k_document_32k_agents_recursive_answers_single_cannot_read_it():
     # What fitted in its window is a small part of the document: it answers from that.
     assert read < 0.2 * len(doc.text), read
     assert "only" in root.extras["turns"][-1]["text"]
+
+
+def test_context_reaches_helpers_through_the_real_sandbox():
+  """The same scripted run with the jailed REPL: `context` and its slices cross the fd protocol."""
+  from rao_jax.sandbox_host.config import SandboxConfig
+  from rao_jax.sandbox_host.pool import SandboxPool
+
+  env = _lc_env(num_tasks=1)
+  tok = ByteChatTokenizer()
+  engine = make_longcontext_engine(tok, LongContextPolicyConfig(read_chars=1500,
+                                                                chars_per_token=1.0))
+
+  async def go():
+    pool = SandboxPool(SandboxConfig(), size=2)
+    try:
+      await pool.start()
+    except Exception as e:  # no bubblewrap on this machine
+      pytest.skip(f"sandbox unavailable: {e}")
+    try:
+      runner = TreeRunner(env, engine, tok, pool,
+                          RunnerConfig(context_window=8192, max_depth=1,
+                                       observation_max_chars=2000, max_new_tokens=2048))
+      return await runner.run_tree(env.tasks("test")[0])
+    finally:
+      await pool.close()
+
+  tree = asyncio.run(go())
+  assert tree.nodes[0].success == 1.0, tree.nodes[0].extras
+  assert len(tree.nodes) >= 3 and all(n.success == 1.0 for n in tree.nodes[1:])

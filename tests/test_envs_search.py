@@ -154,3 +154,30 @@ def test_scripted_policies_resolve_one_hop_per_helper_sequentially_and_single():
     assert len(t.nodes) == 1
     assert t.nodes[0].success == 1.0, (t.task_id, t.nodes[0].final_message)
     assert "launch_subagent" not in t.nodes[0].extras["turns"][0]["code"]
+
+
+def test_tools_work_through_the_real_sandbox():
+  """`search` / `open` are forwarded from the jailed REPL (`open` shadows the builtin there)."""
+  from rao_jax.sandbox_host.config import SandboxConfig
+  from rao_jax.sandbox_host.pool import SandboxPool
+
+  env = _env(num_tasks=1, hops=(2,))
+  tok = ByteChatTokenizer()
+
+  async def go():
+    pool = SandboxPool(SandboxConfig(), size=2)
+    try:
+      await pool.start()
+    except Exception as e:  # no bubblewrap on this machine
+      pytest.skip(f"sandbox unavailable: {e}")
+    try:
+      runner = TreeRunner(env, make_search_engine(tok), tok, pool,
+                          RunnerConfig(recursive=False, context_window=60_000,
+                                       max_new_tokens=2048))
+      return await runner.run_tree(env.tasks("test")[0])
+    finally:
+      await pool.close()
+
+  tree = asyncio.run(go())
+  assert tree.nodes[0].success == 1.0, tree.nodes[0].extras
+  assert tree.meta["episode"]["opens"] >= 1 and tree.meta["episode"]["searches"] >= 3
