@@ -418,6 +418,7 @@ def test_coroutines_never_awaited_are_contained():
   events = []
 
   async def launch_subagent(goal):
+    events.append("started")
     try:
       await asyncio.sleep(3)
       events.append("ran to the end")
@@ -432,4 +433,5 @@ def test_coroutines_never_awaited_are_contained():
   assert "cell over\n" in res.output
   assert "was never awaited" in res.output  # Python's own warning, shown to the agent
   assert "still pending when the cell ended and were cancelled" in res.output
-  assert events == ["cancelled"]
+  # Cancelled on the host too: either before it started or while it ran.
+  assert events in ([], ["started", "cancelled"])

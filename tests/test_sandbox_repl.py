@@ -39,7 +39,7 @@ def test_namespace_persists_and_final_expression_is_shown():
 def test_concurrent_tool_calls_from_one_cell():
   state = {"now": 0, "max": 0}
 
-  async def launch_subagent(goal, delay=0.4):
+  async def launch_subagent(goal, delay=0.8):
     state["now"] += 1
     state["max"] = max(state["max"], state["now"])
     try:
@@ -306,3 +306,18 @@ def test_tool_calls_in_flight_are_capped():
 
   res = run_in_sandbox(body, cfg)
   assert res.output == "4 ['too many tool calls in flight (the limit']\n", res.observation
+
+
+def test_cancelling_a_cell_discards_the_process():
+  async def body(sb):
+    first_pid = sb.pid
+    task = asyncio.create_task(sb.run_cell("import time\ntime.sleep(60)"))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await task
+    res = await sb.run_cell("print('next')")
+    return first_pid, res, sb.pid
+
+  first_pid, res, pid = run_in_sandbox(body)
+  assert res.sandbox_restarted and res.output.endswith("next\n") and pid != first_pid

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ from rao_jax.sandbox_host.config import SandboxConfig
 REPL_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "sandbox", "repl.py")
+
+log = logging.getLogger(__name__)
 
 JAIL_PY = "/python"
 JAIL_DIR = "/sandbox"
@@ -65,6 +68,24 @@ def _bwrap_probe() -> tuple[bool, str]:
     return False, "bwrap could not create its namespaces: " + r.stderr.decode(
         "utf-8", "replace").strip()[:300]
   return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap_options() -> frozenset:
+  """Options this bwrap knows (--size and --clearenv are missing from older releases)."""
+  exe = shutil.which("bwrap")
+  if exe is None:
+    return frozenset()
+  try:
+    out = subprocess.run([exe, "--help"], capture_output=True, timeout=30, check=False, env={})
+  except (OSError, subprocess.TimeoutExpired):
+    return frozenset()
+  text = (out.stdout + out.stderr).decode("utf-8", "replace")
+  opts = frozenset(w for w in text.split() if w.startswith("--"))
+  if "--size" not in opts:
+    # bwrap < 0.7: /tmp is then bounded only by RLIMIT_FSIZE per file.
+    log.warning("this bwrap has no --size option; the sandbox's /tmp has no total size limit")
+  return opts
 
 
 def bwrap_available() -> bool:
@@ -145,7 +166,10 @@ def bwrap_argv(cfg: SandboxConfig, fd: int) -> list[str]:
   interp = _interpreter(cfg.python)
   py_lib = f"{JAIL_PY}/lib"
   jail_stdlib = f"{py_lib}/python{interp.version}"
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  opts = _bwrap_options()
+  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+  if "--clearenv" in opts:
+    argv.append("--clearenv")  # bwrap itself also starts with an empty environment
   if os.geteuid() == 0:
     # Started as root, the jailed process would otherwise keep every capability.
     argv += ["--cap-drop", "ALL"]
@@ -166,8 +190,10 @@ def bwrap_argv(cfg: SandboxConfig, fd: int) -> list[str]:
   argv += ["--ro-bind", REPL_PATH, f"{JAIL_DIR}/repl.py"]
   for p in cfg.extra_ro_paths:
     argv += ["--ro-bind", p, p]
-  argv += ["--dev", "/dev",
-           "--size", str(cfg.tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp",
+  argv += ["--dev", "/dev"]
+  if "--size" in opts:
+    argv += ["--size", str(cfg.tmp_size_mb * 1024 * 1024)]
+  argv += ["--tmpfs", "/tmp",
            "--chdir", "/tmp",
            "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
            "--setenv", "LANG", "C.UTF-8",

@@ -146,6 +146,11 @@ class Sandbox:
       try:
         reply = await self._proc.run(code, tools, self.cfg.max_output_chars,
                                      self.cfg.cell_timeout_s)
+      except asyncio.CancelledError:
+        # The caller gave up on this cell (e.g. its agent was cancelled): the REPL may still
+        # be running it, so the process is discarded; the next cell starts a fresh one.
+        await asyncio.shield(self._discard_process())
+        raise
       except asyncio.TimeoutError:
         own = "" if self.cfg.timeout_counts_tool_time else " (not counting tool calls)"
         msg = (f"[the cell did not finish within {self.cfg.cell_timeout_s:g} s{own} and was "
@@ -192,9 +197,10 @@ class Sandbox:
 
   async def _after_failure(self, t0, notes, *, timed_out, crashed, error) -> CellResult:
     await self._discard_process()
-    restarted = True
+    restarted = not self._closed  # released or closed meanwhile: nothing to replace
     try:
-      await self._ensure_process()
+      if restarted:
+        await self._ensure_process()
     except Exception as e:  # pylint: disable=broad-except
       restarted = False
       notes.append(f"[a fresh sandbox could not be started yet ({e}); the next cell tries "
