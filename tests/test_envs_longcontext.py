@@ -317,3 +317,14 @@ def test_context_reaches_helpers_through_the_real_sandbox():
   tree = asyncio.run(go())
   assert tree.nodes[0].success == 1.0, tree.nodes[0].extras
   assert len(tree.nodes) >= 3 and all(n.success == 1.0 for n in tree.nodes[1:])
+
+
+def test_registry_options_and_difficulty_splits():
+  from rao_jax.envs import registry
+  env = registry.make_env("longcontext", {"doc_tokens": 4_000, "num_tasks": 2})
+  assert env.cfg.target_tokens == 4_000 and len(env.tasks("train")) == 2
+  assert len(env.tasks("train/4k")) == 2 and env.tasks("train/8k") == []
+  with pytest.raises(ValueError, match="unknown options"):
+    LongContextEnv(doc_len=3)
+  from rao_jax.envs.longcontext_scripted import ScriptedLongContextEngine
+  assert isinstance(make_longcontext_engine(ByteChatTokenizer()), ScriptedLongContextEngine)

@@ -181,3 +181,16 @@ def test_tools_work_through_the_real_sandbox():
   tree = asyncio.run(go())
   assert tree.nodes[0].success == 1.0, tree.nodes[0].extras
   assert tree.meta["episode"]["opens"] >= 1 and tree.meta["episode"]["searches"] >= 3
+
+
+def test_registry_options_and_difficulty_splits():
+  from rao_jax.envs import registry
+  from rao_jax.envs.search_scripted import ScriptedSearchEngine
+  env = registry.make_env("search", {"hops": 2, "num_tasks": 2, "world": dict(
+      seed=3, num_people=120, num_cities=20, num_universities=15, num_companies=40,
+      num_books=60, filler_sentences=8)})
+  assert env.cfg.hops == (2,) and [t.difficulty for t in env.tasks("test")] == ["2-hop"] * 2
+  assert len(env.tasks("test/2-hop")) == 2 and env.tasks("test/3-hop") == []
+  with pytest.raises(ValueError, match="unknown options"):
+    SearchEnv(hop=2)
+  assert isinstance(ScriptedSearchEngine(ByteChatTokenizer()), ScriptedSearchEngine)

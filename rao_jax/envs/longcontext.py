@@ -149,13 +149,28 @@ class LongContextEnv(base.Environment):
 
   name = "longcontext"
 
-  def __init__(self, cfg: LongContextConfig = LongContextConfig()):
-    self.cfg = cfg
+  def __init__(self, cfg: LongContextConfig | None = None, **options: Any):
+    """Args: `cfg`, or `LongContextConfig` fields as keywords (`doc_tokens` = `target_tokens`)."""
+    if cfg is not None and options:
+      raise ValueError(f"LongContextEnv: pass `cfg` or keyword options, not both ({options}).")
+    if "doc_tokens" in options:
+      options["target_tokens"] = int(options.pop("doc_tokens"))
+    if "kinds" in options:
+      options["kinds"] = tuple(options["kinds"])
+    names = {f.name for f in dataclasses.fields(LongContextConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+      raise ValueError(f"LongContextEnv: unknown options {unknown}; known: doc_tokens, "
+                       f"{sorted(names)}.")
+    self.cfg = cfg if cfg is not None else LongContextConfig(**options)
     self._tasks: dict[str, list[base.Task]] = {}
 
   def tasks(self, split: str = "train") -> Sequence[base.Task]:
+    """Tasks of "train" / "test" / "val"; "split/<difficulty>" keeps that difficulty's only."""
     if split not in self._tasks:
-      self._tasks[split] = make_tasks(self.cfg, split)
+      name, _, difficulty = split.partition("/")
+      tasks = make_tasks(self.cfg, name)
+      self._tasks[split] = [t for t in tasks if not difficulty or t.difficulty == difficulty]
     return self._tasks[split]
 
   def tool_docs(self, recursive: bool) -> str:

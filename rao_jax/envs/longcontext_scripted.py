@@ -318,8 +318,16 @@ class ScriptedTurnEngine(rollout.Engine):
                                   prompt_len=len(request.prompt_ids))
 
 
-def make_longcontext_engine(tokenizer: Any, cfg: LongContextPolicyConfig = LongContextPolicyConfig()
-                            ) -> ScriptedTurnEngine:
+class ScriptedLongContextEngine(ScriptedTurnEngine):
   """The scripted long-context policy (recursive or single, as each node's prompt allows)."""
-  return ScriptedTurnEngine(tokenizer, lambda text, n: longcontext_turn(text, n, cfg),
-                            cfg.token_latency_s, cfg.weight_version)
+
+  def __init__(self, tokenizer: Any, cfg: LongContextPolicyConfig = LongContextPolicyConfig()):
+    super().__init__(tokenizer, lambda text, n: longcontext_turn(text, n, cfg),
+                     cfg.token_latency_s, cfg.weight_version)
+    self.cfg = cfg
+
+
+def make_longcontext_engine(tokenizer: Any, cfg: LongContextPolicyConfig = LongContextPolicyConfig()
+                            ) -> ScriptedLongContextEngine:
+  """The scripted long-context policy as an `Engine`."""
+  return ScriptedLongContextEngine(tokenizer, cfg)

@@ -128,13 +128,28 @@ class SearchEnv(base.Environment):
 
   name = "search"
 
-  def __init__(self, cfg: SearchConfig = SearchConfig()):
-    self.cfg = cfg
+  def __init__(self, cfg: SearchConfig | None = None, **options: Any):
+    """Args: `cfg`, or `SearchConfig` fields as keywords (`hops` may be one int; `world` a dict)."""
+    if cfg is not None and options:
+      raise ValueError(f"SearchEnv: pass `cfg` or keyword options, not both ({options}).")
+    if "hops" in options:
+      h = options["hops"]
+      options["hops"] = (int(h),) if isinstance(h, (int, str)) else tuple(int(x) for x in h)
+    if isinstance(options.get("world"), dict):
+      options["world"] = data.WorldConfig(**options["world"])
+    names = {f.name for f in dataclasses.fields(SearchConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+      raise ValueError(f"SearchEnv: unknown options {unknown}; known: {sorted(names)}.")
+    self.cfg = cfg if cfg is not None else SearchConfig(**options)
     self._tasks: dict[str, list[base.Task]] = {}
 
   def tasks(self, split: str = "train") -> Sequence[base.Task]:
+    """Tasks of "train" / "test" / "val"; "split/<difficulty>" (e.g. "test/4-hop") filters."""
     if split not in self._tasks:
-      self._tasks[split] = make_tasks(self.cfg, split)
+      name, _, difficulty = split.partition("/")
+      tasks = make_tasks(self.cfg, name)
+      self._tasks[split] = [t for t in tasks if not difficulty or t.difficulty == difficulty]
     return self._tasks[split]
 
   def tool_docs(self, recursive: bool) -> str:

@@ -271,8 +271,16 @@ def _single_turn(descs, last: str, obs: str, cfg: SearchPolicyConfig) -> str:
                f"print('RESOLVED {letter} =', {out!r}.__repr__())\n{first}")
 
 
-def make_search_engine(tokenizer: Any, cfg: SearchPolicyConfig = SearchPolicyConfig()
-                       ) -> ScriptedTurnEngine:
+class ScriptedSearchEngine(ScriptedTurnEngine):
   """The scripted search policy (recursive or single, as each node's prompt allows)."""
-  return ScriptedTurnEngine(tokenizer, lambda text, n: search_turn(text, n, cfg),
-                            cfg.token_latency_s, cfg.weight_version)
+
+  def __init__(self, tokenizer: Any, cfg: SearchPolicyConfig = SearchPolicyConfig()):
+    super().__init__(tokenizer, lambda text, n: search_turn(text, n, cfg),
+                     cfg.token_latency_s, cfg.weight_version)
+    self.cfg = cfg
+
+
+def make_search_engine(tokenizer: Any, cfg: SearchPolicyConfig = SearchPolicyConfig()
+                       ) -> ScriptedSearchEngine:
+  """The scripted search policy as an `Engine`."""
+  return ScriptedSearchEngine(tokenizer, cfg)
