@@ -733,6 +733,10 @@ class EmbeddedEngine(Engine):
     start = len(slot.tokens)
     remaining = len(slot.req.prompt) - start
     C = _bucket(c.chunk_sizes, remaining)
+    if C > 2 * remaining:
+      # Mostly padding (e.g. 65 tokens in a 256 chunk): take the largest chunk that is full.
+      full = [b for b in c.chunk_sizes if b <= remaining]
+      C = full[-1] if full else C
     fitting = [b for b in c.chunk_sizes if b <= C and start + b <= c.max_len]
     return fitting[-1]    # never empty: capacity leaves room for the smallest chunk
 
