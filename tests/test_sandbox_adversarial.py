@@ -28,11 +28,14 @@ def attack(code, *, cfg=CFG, tools=None, variables=None, follow_up="print('alive
 
   Returns (result of the attack cell, result of the follow-up cell in the victim).
   """
+  pids = []
+
   async def main():
     pool = SandboxPool(cfg, size=2)
     await pool.start()
     try:
       victim, bystander = await pool.acquire(), await pool.acquire()
+      pids.extend([victim.pid, bystander.pid])
       if variables:
         await victim.set_variables(variables)
       await bystander.run_cell("state = 41")
@@ -50,6 +53,7 @@ def attack(code, *, cfg=CFG, tools=None, variables=None, follow_up="print('alive
       res = await victim.run_cell(code, tools or {})
       beat.cancel()
       after = await victim.run_cell(follow_up, tools or {})
+      pids.append(victim.pid)
       by = await bystander.run_cell("state += 1\nprint(state)")
       assert by.output == "42\n" and not by.sandbox_restarted, by
       # The host's event loop was never blocked by the attack.
@@ -59,6 +63,8 @@ def attack(code, *, cfg=CFG, tools=None, variables=None, follow_up="print('alive
       await pool.close()
 
   res, after = asyncio.run(main())
+  # No process of either sandbox outlives the pool.
+  assert not [p for p in pids if os.path.exists(f"/proc/{p}")], pids
   if follow_up == "print('alive', 6 * 7)":
     assert after.output.endswith("alive 42\n"), after
   return res, after

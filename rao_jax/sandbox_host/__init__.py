@@ -11,6 +11,20 @@ started sandboxes:
     await sb.set_variables({"context": text})
     res = await sb.run_cell("print(len(context))", tools={"craft": craft})
     await pool.release(sb); await pool.close()
+
+Tools inside the REPL. Each name in `tools` is bound (again before every cell) to a proxy that
+forwards the call, with its JSON arguments, to the host callable and returns its JSON result;
+a host exception arrives as `ToolError("<Type>: <message>")`. A call blocks and returns the
+result, except inside a running event loop (a cell that uses `await`, or async code it runs)
+where it returns an awaitable when the call is directly awaited or when the host callable is
+async, so `await launch_subagent(g)` and `asyncio.gather(launch_subagent(a),
+launch_subagent(b))` run concurrently while `x = craft(...)` still just returns the value.
+Calls still pending when a cell ends are cancelled, on both sides, with a note in the output.
+
+Isolation (bwrap mode): namespaces (user, pid, net, ipc, uts, cgroup), read-only binds of the
+interpreter and its stdlib only, private /tmp, no capabilities, rlimits and a seccomp filter
+set by the REPL on itself, a host-enforced per-cell timeout that kills the whole sandbox. The
+weaker isolation="process" mode keeps the rlimits and the seccomp filter only.
 """
 from rao_jax.sandbox_host.config import SandboxConfig
 from rao_jax.sandbox_host.jail import SandboxUnavailableError
