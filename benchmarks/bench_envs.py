@@ -2,7 +2,8 @@
 
 OOLONG-style: `--tasks` seeded questions over `--doc-tokens`-token documents (175K by default),
 agents limited to `--window` tokens (32K), tokens counted with the real SmolLM2 tokenizer.
-DeepDive-style: `--tasks` seeded `--hops`-hop questions (4 by default), same window.
+DeepDive-style: `--tasks` seeded `--hops`-hop questions (4 by default), same window, and again
+at `--deepdive-small-window` (8K, the paper's headline window; keys suffixed `_8k`).
 
 The recursive policy and the single agent (same tools, no `launch_subagent`) run through the real
 agent runtime (`rao_jax.agent.runner`) with the trusted in-process REPL; scores are the
@@ -86,6 +87,8 @@ def main(argv=None) -> dict:
   p.add_argument("--window", type=int, default=32_768)
   p.add_argument("--hops", type=int, default=4)
   p.add_argument("--batch", type=int, default=10, help="trees run concurrently")
+  p.add_argument("--deepdive-small-window", type=int, default=8192,
+                 help="also run the search tasks at this window (the paper's 8K); 0 = skip")
   p.add_argument("--quick", action="store_true", help="10 tasks per environment")
   args = p.parse_args(argv)
   n = 10 if args.quick else args.tasks
@@ -128,20 +131,24 @@ def main(argv=None) -> dict:
   s_env = SearchEnv(SearchConfig(num_tasks=n, hops=(args.hops,)))
   s_tasks = list(s_env.tasks("test"))
   s_engine = make_search_engine(tok)
-  for recursive in (True, False):
-    mode = "recursive" if recursive else "single"
-    cfg = RunnerConfig(recursive=recursive, max_depth=1, context_window=args.window)
-    t = time.perf_counter()
-    _log(f"deepdive {mode}: {n} tasks, {args.hops} hops, window {args.window}")
-    trees = asyncio.run(_run(s_env, s_engine, tok, s_tasks, cfg, args.batch))
-    s = _summarise(trees, args.window)
-    s["wall_s"] = time.perf_counter() - t
-    s["wall_per_task_s"] = s["wall_s"] / n
-    s["searches_per_tree"] = statistics.mean(t.meta["episode"]["searches"] for t in trees)
-    s["opens_per_tree"] = statistics.mean(t.meta["episode"]["opens"] for t in trees)
-    result[f"deepdive_{mode}_score"] = s.pop("score")
-    result[f"deepdive_{mode}"] = s
-    _log(f"  -> {result[f'deepdive_{mode}_score']:.3f} {json.dumps(s)}")
+  windows = [(args.window, "")]
+  if args.deepdive_small_window:
+    windows.append((args.deepdive_small_window, f"_{args.deepdive_small_window // 1024}k"))
+  for window, suffix in windows:
+    for recursive in (True, False):
+      mode = "recursive" if recursive else "single"
+      cfg = RunnerConfig(recursive=recursive, max_depth=1, context_window=window)
+      t = time.perf_counter()
+      _log(f"deepdive {mode}: {n} tasks, {args.hops} hops, window {window}")
+      trees = asyncio.run(_run(s_env, s_engine, tok, s_tasks, cfg, args.batch))
+      s = _summarise(trees, window)
+      s["wall_s"] = time.perf_counter() - t
+      s["wall_per_task_s"] = s["wall_s"] / n
+      s["searches_per_tree"] = statistics.mean(t.meta["episode"]["searches"] for t in trees)
+      s["opens_per_tree"] = statistics.mean(t.meta["episode"]["opens"] for t in trees)
+      result[f"deepdive_{mode}_score{suffix}"] = s.pop("score")
+      result[f"deepdive_{mode}{suffix}"] = s
+      _log(f"  -> {result[f'deepdive_{mode}_score{suffix}']:.3f} {json.dumps(s)}")
   # Trees of a batch run concurrently on one event loop (CPU-bound scripted policies), so the
   # comparable clock is a mode's total wall time per task, not one tree's span.
   result["wall_ratio_recursive_over_single"] = {

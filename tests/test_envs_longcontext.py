@@ -240,8 +240,13 @@ def test_recursive_and_single_runs_with_byte_tokens():
   single = _run(env, engine, tok, tasks, recursive=False, context_window=8192,
                 observation_max_chars=2000)
   for t in single:
-    assert len(t.nodes) == 1 and len(t.nodes[0].token_ids) <= 8192
-    assert "only" in t.nodes[0].extras["turns"][-1]["text"]   # answered from partial reading
+    root = t.nodes[0]
+    assert len(t.nodes) == 1 and len(root.token_ids) <= 8192
+    if root.task_fields["question"]["kind"] == "month_count":
+      # The log is chronological: the single agent jumps to the month, which fits its window.
+      assert "SEEK" in root.extras["turns"][0]["observation"] and root.success == 1.0
+    else:
+      assert "only" in root.extras["turns"][-1]["text"]   # answered from partial reading
 
 
 def _smollm2_tokenizer():

@@ -213,6 +213,19 @@ print("TOTALS", json.dumps(totals, sort_keys=True), "HELPERS", len(chunks), "FAI
                code)
 
 
+_MONTH_NAMES = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _seek_cell(month: str) -> str:
+  year, mon = month.split("-")
+  return f"""
+import re
+_m = re.search(r"^Date: {_MONTH_NAMES[int(mon) - 1]} \\d\\d, {year} ", context, re.M)
+_pos = _m.start() if _m else len(context)
+print("SEEK", _pos)
+"""
+
+
 def _reader_turn(msgs, system: str, prompt_tokens: int, subq, question,
                  cfg: LongContextPolicyConfig) -> str:
   recs, pos, total = _records_read(msgs)
@@ -220,6 +233,13 @@ def _reader_turn(msgs, system: str, prompt_tokens: int, subq, question,
   # Tokens the next reading turn would add: the slice, the code and the chat wrappers.
   next_cost = int(cfg.read_chars / cfg.chars_per_token * 1.3) + 200
   done = total >= 0 and pos >= total
+  month = question[1]["month"] if subq is None and question[0] == "month_count" else None
+  if month is not None:
+    # The log is chronological: a single agent asked about one month jumps to it and reads
+    # until the month is over (its best strategy when the whole log does not fit).
+    if not any("SEEK" in c for r, c in msgs[2:] if r == "user"):
+      return _code(f"The log is sorted by date: I jump to {month}.", _seek_cell(month))
+    done = done or any(f"{d.year:04d}-{d.month:02d}" > month for d, _, _ in recs)
   room = prompt_tokens + next_cost <= window
   if not done and room:
     return _code("I read the next slice of `context`.", _read_cell(cfg.read_chars))
@@ -235,6 +255,10 @@ def _reader_turn(msgs, system: str, prompt_tokens: int, subq, question,
   labels = [classify_instance(text) or "unknown" for _, _, text in recs]
   counts = qsubq.answer(recs, labels)
   frac = pos / total if total > 0 else 0.0
+  if month is not None:
+    note = f"all of {month}" if done else f"part of {month} before my context window filled up"
+    return _finish(f"I read {note}; this is my answer.",
+                   data.answer_from_counts(kind, params, counts))
   if not done and frac > 0 and kind in ("count", "user_count", "labels_above"):
     # Counts over the whole log, extrapolated from the fraction read.
     counts = {k: int(round(v / frac)) for k, v in counts.items()}
