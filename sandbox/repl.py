@@ -6,6 +6,7 @@ under bubblewrap, as
 
     python -I -S -B repl.py fd=N memory_mb=.. file_size_mb=.. open_files=.. processes=..
                             seccomp=<hex BPF program compiled by the host with pyseccomp>
+                            seccomp_after_ready=<hex BPF program>
 
 and speaks to it over ONE dedicated file descriptor (a UNIX socketpair end, number N), never
 over stdout: frames of a 4-byte big-endian length followed by a JSON object.
@@ -25,8 +26,10 @@ NONCE is chosen by the host for every cell and RID by this program for every too
 a reply is matched to its request and anything the agent's code prints (fd 1 and fd 2 end up
 in a pipe that this program reads into the cell's output) can never pass for a message.
 
-Start-up order matters: limits and the seccomp filter are installed before any thread exists,
-because a seccomp filter only applies to the thread that loads it and to threads created later.
+Start-up order matters: limits and the seccomp filter(s) are installed before any thread
+exists, because a seccomp filter only applies to the thread that loads it and to threads
+created later. Under bwrap, bwrap installs the main filter before this program starts and
+this program adds the exec rules right after ready (see rao_jax/sandbox_host/seccomp.py).
 """
 import builtins as _builtins_module
 import os
@@ -134,15 +137,25 @@ def main():
     data = ('{"op": "fatal", "error": "%s"}' % text).encode()
     _write(fd, len(data).to_bytes(4, "big") + data)
     os._exit(1)
+  after_ready = cfg.get("seccomp_after_ready", "")
   # The ready message is written by hand: json and the cell machinery are imported after it,
   # while the host already counts this sandbox as started (a first cell simply queues).
   ready = ('{"op": "ready", "pid": %d, "seccomp": %s, "limits": {%s}}' % (
-      os.getpid(), "true" if bpf else "false",
+      os.getpid(), "true" if (bpf or after_ready) else "false",
       ", ".join('"%s": %d' % kv for kv in sorted(limits.items()))))
   data = ready.encode()
   _write(fd, len(data).to_bytes(4, "big") + data)
+  if after_ready:
+    # Under bwrap, bwrap installed the main filter before starting this interpreter (it
+    # still had to exec it); the exec rules come now, on the only thread, before anything
+    # from the host is read.
+    try:
+      _load_seccomp(after_ready)
+    except BaseException:  # pylint: disable=broad-except
+      os._exit(1)  # the host sees the channel close and reports a crash
   _late_imports()
   repl = _Repl(fd, out_r)
+  repl.ensure_loop()
   repl.serve()
 
 
@@ -592,14 +605,21 @@ class _Repl:
       return self._format_error(e)
     return None
 
-  def _run_code(self, code):
+  def ensure_loop(self):
+    """The event loop for top-level await, and `asyncio` in the agent's namespace.
+
+    The agents' prompts promise `asyncio` (for asyncio.gather). main() calls this right after
+    the ready message, while the sandbox idles in the pool, so neither the cold start nor
+    the first cell pays for the import.
+    """
     if self.loop is None:
-      # The agents' prompts promise `asyncio` in the namespace (for asyncio.gather); importing
-      # it at the first cell rather than at spawn keeps the cold start short.
       import asyncio
       self.loop = asyncio.new_event_loop()
       asyncio.set_event_loop(self.loop)
       self.ns.setdefault("asyncio", asyncio)
+
+  def _run_code(self, code):
+    self.ensure_loop()
     if code.co_flags & 0x80:  # CO_COROUTINE: the cell uses top-level await
       return self.loop.run_until_complete(eval(code, self.ns))  # pylint: disable=eval-used
     return eval(code, self.ns)  # pylint: disable=eval-used

@@ -41,7 +41,7 @@ def _bind_targets(argv):
 
 
 def test_bwrap_command_line_isolates_and_binds_only_what_python_needs():
-  argv = jail.bwrap_argv(SandboxConfig(), fd=7)
+  argv = jail.bwrap_argv(SandboxConfig(), fd=7, seccomp_fd=9)
   cmd = argv[:argv.index("--")]
   for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv"):
     assert flag in cmd
@@ -62,17 +62,21 @@ def test_bwrap_command_line_isolates_and_binds_only_what_python_needs():
   # A private, size-limited /tmp, and the root made read-only after all mounts.
   i = cmd.index("--tmpfs", cmd.index("--size"))
   assert cmd[i + 1] == "/tmp"
-  assert cmd[-2:] == ["--remount-ro", "/"]
-  # The REPL gets its fd, limits and the seccomp program as arguments.
+  assert cmd[-4:] == ["--remount-ro", "/", "--seccomp", "9"]
+  # The REPL gets its fd, limits and the exec rules (bwrap installs the main filter).
   tail = argv[argv.index("--") + 1:]
   assert "fd=7" in tail and "memory_mb=1024" in tail
-  assert any(a.startswith("seccomp=") and len(a) > 100 for a in tail)
+  assert any(a.startswith("seccomp_after_ready=") for a in tail)
+  with pytest.raises(ValueError, match="seccomp_fd"):
+    jail.bwrap_argv(SandboxConfig(), fd=7)
 
 
-def test_seccomp_program_is_compiled_once_and_well_formed():
-  prog = seccomp.filter_program()
-  assert len(prog) % 8 == 0 and len(prog) // 8 > 20
-  assert seccomp.filter_program() is prog
+def test_seccomp_programs_are_compiled_once_and_well_formed():
+  main, exec_, full = seccomp.main_program(), seccomp.exec_program(), seccomp.full_program()
+  for prog in (main, exec_, full):
+    assert len(prog) % 8 == 0 and len(prog) // 8 > 4
+  assert len(full) > len(main) > len(exec_)
+  assert seccomp.main_program() is main
 
 
 def test_missing_bwrap_is_a_clear_error_naming_the_fix(monkeypatch):

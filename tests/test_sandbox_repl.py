@@ -258,13 +258,15 @@ def test_seccomp_filter_is_active_in_the_jail():
         "print('clone3', errno.errorcode[ctypes.get_errno()])\n"
         "try:\n  socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
         "except OSError as e:\n  print('inet', errno.errorcode[e.errno])\n"
+        "import os\ntry:\n  os.execv('/python/bin/python3', ['python3', '-c', 'pass'])\n"
+        "except OSError as e:\n  print('exec', errno.errorcode[e.errno])\n"
         "t = threading.Thread(target=print, args=('threads still work',))\n"
         "t.start()\nt.join()")
 
   info, res = run_in_sandbox(body)
   assert info["seccomp"] is True
-  assert res.output == "io_uring EPERM\nclone3 ENOSYS\ninet EACCES\nthreads still work\n", \
-      res.observation
+  assert res.output == ("io_uring EPERM\nclone3 ENOSYS\ninet EACCES\nexec EPERM\n"
+                        "threads still work\n"), res.observation
 
 
 @pytest.mark.parametrize("counts", [False, True], ids=["tool-time-excluded", "tool-time-counted"])

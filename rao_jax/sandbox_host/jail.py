@@ -135,17 +135,45 @@ def _interpreter(python: str) -> _Interpreter:
 
 
 def repl_args(cfg: SandboxConfig, fd: int) -> list[str]:
-  """The key=value arguments of repl.py: its protocol fd, limits and seccomp program."""
+  """The key=value arguments of repl.py: its protocol fd, limits and seccomp program(s).
+
+  Under bwrap the main filter is installed by bwrap (see bwrap_argv) and the REPL only adds
+  the exec rules right after ready; in process mode the REPL installs the whole filter.
+  """
   args = [f"fd={fd}", f"memory_mb={cfg.memory_mb}", f"file_size_mb={cfg.file_size_mb}",
           f"open_files={cfg.open_files}", f"processes={cfg.processes}"]
   if cfg.seccomp:
     try:
-      args.append(f"seccomp={seccomp.filter_hex()}")
+      if cfg.isolation == "bwrap":
+        args.append(f"seccomp_after_ready={seccomp.exec_program().hex()}")
+      else:
+        args.append(f"seccomp={seccomp.full_program().hex()}")
     except Exception as e:  # pylint: disable=broad-except
       raise SandboxUnavailableError(
           f"the sandbox's seccomp filter could not be compiled: {e!r}. Fix: `pip install "
           f"pyseccomp` and `apt-get install libseccomp2`") from e
   return args
+
+
+def seccomp_pipe(cfg: SandboxConfig) -> int | None:
+  """A pipe's read end holding the main filter for `bwrap --seccomp`, or None (no seccomp).
+
+  The program is a few hundred bytes, far below a pipe's buffer, so it is written at once.
+  """
+  if not cfg.seccomp:
+    return None
+  try:
+    prog = seccomp.main_program()
+  except Exception as e:  # pylint: disable=broad-except
+    raise SandboxUnavailableError(
+        f"the sandbox's seccomp filter could not be compiled: {e!r}. Fix: `pip install "
+        f"pyseccomp` and `apt-get install libseccomp2`") from e
+  r, w = os.pipe()
+  try:
+    os.write(w, prog)
+  finally:
+    os.close(w)
+  return r
 
 
 def _mirror_system_libs() -> list[str]:
@@ -161,8 +189,13 @@ def _mirror_system_libs() -> list[str]:
   return args
 
 
-def bwrap_argv(cfg: SandboxConfig, fd: int) -> list[str]:
-  """The full bubblewrap command line of one REPL whose protocol fd is `fd`."""
+def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None) -> list[str]:
+  """The full bubblewrap command line of one REPL whose protocol fd is `fd`.
+
+  seccomp_fd: read end of seccomp_pipe(cfg); required when cfg.seccomp.
+  """
+  if cfg.seccomp and seccomp_fd is None:
+    raise ValueError("bwrap_argv: cfg.seccomp needs seccomp_fd (from seccomp_pipe(cfg))")
   interp = _interpreter(cfg.python)
   py_lib = f"{JAIL_PY}/lib"
   jail_stdlib = f"{py_lib}/python{interp.version}"
@@ -201,6 +234,9 @@ def bwrap_argv(cfg: SandboxConfig, fd: int) -> list[str]:
            "--setenv", "MALLOC_ARENA_MAX", "2",
            # Last: the root tmpfs (mount points made above) becomes read-only too.
            "--remount-ro", "/"]
+  if seccomp_fd is not None:
+    # bwrap installs it (with no_new_privs) just before it starts the interpreter.
+    argv += ["--seccomp", str(seccomp_fd)]
   argv += ["--", f"{JAIL_PY}/bin/python3", "-I", "-S", "-B", f"{JAIL_DIR}/repl.py"]
   argv += repl_args(cfg, fd)
   return argv

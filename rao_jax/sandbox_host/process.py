@@ -90,11 +90,13 @@ class ReplProcess:
     loop = asyncio.get_running_loop()
     host_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fd = child_sock.fileno()
+    filter_fd = None
     t0 = time.perf_counter()
     try:
       if cfg.isolation == "bwrap":
         jail.require_bwrap()
-        argv = jail.bwrap_argv(cfg, fd)
+        filter_fd = jail.seccomp_pipe(cfg)
+        argv = jail.bwrap_argv(cfg, fd, filter_fd)
         argv[0] = shutil.which("bwrap") or argv[0]
         # Not even bwrap itself gets the host's environment (it would be readable in the jail
         # through the reaper process otherwise), and the jail has its own cwd.
@@ -106,15 +108,19 @@ class ReplProcess:
         env = {"HOME": self._tmpdir, "TMPDIR": self._tmpdir, "LANG": "C.UTF-8",
                "MALLOC_ARENA_MAX": "2"}
         cwd = self._tmpdir
+      pass_fds = (fd,) if filter_fd is None else (fd, filter_fd)
       self.proc = await asyncio.create_subprocess_exec(
           *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-          stderr=asyncio.subprocess.PIPE, pass_fds=(fd,), env=env, cwd=cwd,
+          stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds, env=env, cwd=cwd,
           start_new_session=True)
     except BaseException:
       host_sock.close()
       child_sock.close()
       self._remove_tmpdir()
       raise
+    finally:
+      if filter_fd is not None:
+        os.close(filter_fd)
     child_sock.close()
     self.pid = self.proc.pid
     self._reader, self._writer = await asyncio.open_unix_connection(

@@ -1,8 +1,16 @@
 """The sandbox's seccomp filter, compiled on the host with pyseccomp (libseccomp).
 
-The REPL loads the resulting BPF program with one prctl at start-up, before any thread
-exists, so every thread of the agent's code runs under it. Compiling here (trusted side, once
-per host process) keeps pyseccomp, typing and ctypes.util out of every sandbox's start-up.
+Compiling here (trusted side, once per host process) keeps pyseccomp, typing and ctypes.util
+out of every sandbox's start-up. Two programs:
+
+  main_program()  everything except exec. Under bubblewrap, bwrap itself installs it
+                  (`--seccomp FD`) right before it starts the interpreter, so the REPL is
+                  filtered from its first instruction; in process mode the REPL loads it
+                  (prctl, before any thread exists).
+  exec_program()  denies execve/execveat. bwrap must still exec the interpreter after
+                  installing the main program, so under bwrap the REPL loads this one itself,
+                  right after reporting ready and before it reads any request, still on
+                  its only thread (threads inherit the filters in force when created).
 """
 from __future__ import annotations
 
@@ -26,35 +34,36 @@ DENIED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "keyctl", "add_key", "request_key",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "fork", "vfork", "execve", "execveat",
+    "fork", "vfork",
     "open_by_handle_at", "name_to_handle_at",
     "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "iopl", "ioperm",
 )
 
 
-@functools.lru_cache(maxsize=None)
-def filter_program() -> bytes:
-  """The BPF program (struct sock_filter[]) of the sandbox's syscall filter.
+EXEC_SYSCALLS = ("execve", "execveat")
 
-  Default allow; EPERM for DENIED_SYSCALLS and for clone without CLONE_THREAD (threads yes,
-  processes no: this is what stops a fork bomb, also for root where RLIMIT_NPROC does not
-  apply); EACCES for socket/socketpair of any family but AF_UNIX; ENOSYS for clone3, whose
-  flags live in memory where seccomp cannot read them, so glibc falls back to clone.
-  Foreign-architecture syscalls (int 0x80, x32) are killed by libseccomp's default.
-  """
+
+def _compile(main: bool, exec_: bool) -> bytes:
+  """Builds a default-allow filter with the main rules and/or the exec rules."""
   import pyseccomp as sc  # pylint: disable=import-outside-toplevel
   filt = sc.SyscallFilter(sc.ALLOW)
   eperm = sc.ERRNO(errno.EPERM)
-  for name in DENIED_SYSCALLS:
+  names = (DENIED_SYSCALLS if main else ()) + (EXEC_SYSCALLS if exec_ else ())
+  for name in names:
     try:
       filt.add_rule(eperm, name)
     except (OSError, ValueError):
       pass  # not a syscall on this architecture
-  eacces = sc.ERRNO(errno.EACCES)
-  filt.add_rule(eacces, "socket", sc.Arg(0, sc.NE, AF_UNIX))
-  filt.add_rule(eacces, "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
-  filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
-  filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+  if main:
+    # Only UNIX sockets: no TCP/UDP, raw, netlink or packet sockets even if a network existed.
+    eacces = sc.ERRNO(errno.EACCES)
+    filt.add_rule(eacces, "socket", sc.Arg(0, sc.NE, AF_UNIX))
+    filt.add_rule(eacces, "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
+    # Threads yes, processes no: a clone without CLONE_THREAD is a fork.
+    filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+    # clone3 passes its flags in memory, which seccomp cannot read; ENOSYS makes glibc fall
+    # back to clone for new threads, where the rule above applies.
+    filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
   with tempfile.TemporaryFile() as f:
     filt.export_bpf(f)
     f.flush()
@@ -65,6 +74,25 @@ def filter_program() -> bytes:
   return prog
 
 
-def filter_hex() -> str:
-  """filter_program() as hex, the form it travels in on the REPL's command line."""
-  return filter_program().hex()
+@functools.lru_cache(maxsize=None)
+def main_program() -> bytes:
+  """The BPF program (struct sock_filter[]) of the main filter.
+
+  Default allow; EPERM for DENIED_SYSCALLS and for clone without CLONE_THREAD (threads yes,
+  processes no: this is what stops a fork bomb, also for root where RLIMIT_NPROC does not
+  apply); EACCES for socket/socketpair of any family but AF_UNIX; ENOSYS for clone3.
+  Foreign-architecture syscalls (int 0x80, x32) are killed by libseccomp's default.
+  """
+  return _compile(main=True, exec_=False)
+
+
+@functools.lru_cache(maxsize=None)
+def exec_program() -> bytes:
+  """The BPF program that denies starting programs (EPERM for execve and execveat)."""
+  return _compile(main=False, exec_=True)
+
+
+@functools.lru_cache(maxsize=None)
+def full_program() -> bytes:
+  """Main and exec rules in one program (process mode: the REPL loads it before ready)."""
+  return _compile(main=True, exec_=True)
