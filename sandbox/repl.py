@@ -162,13 +162,15 @@ def main():
 # --------------------------------------------------------------------------------------------
 # Everything below runs after the jail is complete.
 
-ast = json = linecache = threading = traceback = None
+ast = bisect = dis = json = linecache = threading = traceback = None
 _dumps = _loads = _Lock = _Thread = _Event = None
 
 
 def _late_imports():
-  global ast, json, linecache, threading, traceback
+  global ast, bisect, dis, json, linecache, threading, traceback
   global _dumps, _loads, _Lock, _Thread, _Event
+  import bisect  # pylint: disable=redefined-outer-name,import-outside-toplevel
+  import dis  # pylint: disable=redefined-outer-name,import-outside-toplevel
   import ast  # pylint: disable=redefined-outer-name,import-outside-toplevel
   import json  # pylint: disable=redefined-outer-name,import-outside-toplevel
   import linecache  # pylint: disable=redefined-outer-name,import-outside-toplevel
@@ -179,6 +181,7 @@ def _late_imports():
   _Lock = threading.Lock
   _Thread = threading.Thread
   _Event = threading.Event
+
 
 _LAST = "_repl_last_value_"
 _new_nonce = lambda: os.urandom(8).hex()  # noqa: E731
@@ -225,6 +228,20 @@ class _Capture:
       return text
 
 
+class _Bytes:
+  """sys.stdout.buffer: bytes are decoded (UTF-8, invalid bytes replaced) into the output."""
+
+  def __init__(self, capture):
+    self._capture = capture
+
+  def write(self, b):
+    self._capture.add(bytes(b).decode("utf-8", "replace"))
+    return len(b)
+
+  def flush(self):
+    pass
+
+
 class _Stream:
   """sys.stdout / sys.stderr during a cell."""
 
@@ -234,6 +251,7 @@ class _Stream:
   def __init__(self, capture, fileno):
     self._capture = capture
     self._fileno = fileno
+    self.buffer = _Bytes(capture)
 
   def write(self, s):
     if not isinstance(s, str):
@@ -289,11 +307,9 @@ def _directly_awaited(frame):
   code = frame.f_code
   entry = _AWAIT_CACHE.get(code)
   if entry is None:
-    import dis
     instrs = list(dis.get_instructions(code))
     entry = ([i.offset for i in instrs], [i.opname == "GET_AWAITABLE" for i in instrs])
     _AWAIT_CACHE[code] = entry
-  import bisect
   offsets, awaits = entry
   k = bisect.bisect_right(offsets, frame.f_lasti)
   return k < len(offsets) and awaits[k]
@@ -323,7 +339,6 @@ class _Repl:
     self.builtins_items = tuple(builtins.__dict__.items())
     self.ns = {"__name__": "__main__", "__builtins__": builtins}
     self.decoder = __import__("codecs").getincrementaldecoder("utf-8")("replace")
-    self.closed = False
     # Non-blocking before any reader exists: _drain_now must never wait on an empty pipe.
     os.set_blocking(out_r, False)
     _Thread(target=self._drain_fd_output, name="repl-output", daemon=True).start()

@@ -150,12 +150,13 @@ def test_output_is_captured_at_fd_level_and_truncated_with_a_note():
   async def body(sb):
     mixed = await sb.run_cell(
         "import os, sys\nprint('out')\nsys.stderr.write('err\\n')\n"
+        "sys.stdout.buffer.write(b'bin\\n')\n"
         "os.write(1, b'fd1\\n')\nos.write(2, b'fd2\\n')")
     long = await sb.run_cell("print('y' * 1000)")
     return mixed, long
 
   mixed, long = run_in_sandbox(body, cfg)
-  for piece in ("out\n", "err\n", "fd1\n", "fd2\n"):
+  for piece in ("out\n", "err\n", "bin\n", "fd1\n", "fd2\n"):
     assert piece in mixed.output
   assert long.output.startswith("y" * 100 + "\n[output truncated: 901 more characters")
   assert len(long.output) < 300
