@@ -26,7 +26,9 @@ class SandboxConfig:
     file_size_mb: largest file the REPL may write (RLIMIT_FSIZE), MiB.
     tmp_size_mb: size of the private /tmp tmpfs (bwrap mode), MiB.
     open_files: RLIMIT_NOFILE of the REPL process.
-    processes: RLIMIT_NPROC where the uid allows it (not root); 0 leaves it unset.
+    processes: RLIMIT_NPROC where the uid allows it (not root, bwrap mode: counted in the
+      sandbox's own user namespace); 0 leaves it unset. The seccomp filter, which refuses
+      every fork, is what stops a fork bomb in all modes.
     seccomp: install the syscall filter (no non-UNIX sockets, ptrace, mount, namespaces, bpf,
       io_uring, exec, fork). Only tests of the layers beneath turn it off.
     spawn_timeout_s: seconds a new sandbox may take to report ready.

@@ -140,8 +140,12 @@ def repl_args(cfg: SandboxConfig, fd: int) -> list[str]:
   Under bwrap the main filter is installed by bwrap (see bwrap_argv) and the REPL only adds
   the exec rules right after ready; in process mode the REPL installs the whole filter.
   """
+  # RLIMIT_NPROC is counted per user namespace: under bwrap (its own user namespace) that is
+  # the sandbox's threads alone; in process mode it would be every process of the host's uid,
+  # so a sandbox could fail to start its own threads. There, seccomp alone stops forks.
+  processes = cfg.processes if cfg.isolation == "bwrap" else 0
   args = [f"fd={fd}", f"memory_mb={cfg.memory_mb}", f"file_size_mb={cfg.file_size_mb}",
-          f"open_files={cfg.open_files}", f"processes={cfg.processes}"]
+          f"open_files={cfg.open_files}", f"processes={processes}"]
   if cfg.seccomp:
     try:
       if cfg.isolation == "bwrap":
