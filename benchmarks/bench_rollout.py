@@ -1,0 +1,144 @@
+"""Rollout benchmark: the embedded JAX engine vs transformers generate() on PyTorch CPU.
+
+    python benchmarks/bench_rollout.py [--quick]
+
+1. Decode throughput (generated tokens / s, prefill included on both sides) of SmolLM2-135M at
+   batch 1, 8 and 32: 64 new tokens (greedy) after a 256-token prompt, divided by
+   ``transformers`` ``generate()`` (PyTorch CPU, same weights exported to an HF folder) in the
+   same run -> ratio_b1, ratio_b8, ratio_b32.
+2. Multi-turn agents: 8 agents x 6 turns, 64 generated + 64-token observation per turn, with
+   sessions (KV kept between turns) vs without (every turn re-prefills the history) ->
+   session_speedup.
+
+Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+PROMPT, NEW = 256, 64
+
+
+def say(*a):
+  print(*a, file=sys.stderr, flush=True)
+
+
+def engine_throughput(engine, prompts, repeats):
+  from rao_jax.rollout import GenerateRequest, SamplingParams
+  params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+
+  async def once():
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[engine.generate(GenerateRequest(p, params)) for p in prompts])
+    dt = time.perf_counter() - t0
+    assert all(len(r.token_ids) == NEW for r in res), [r.finish_reason for r in res]
+    return dt
+  asyncio.run(once())    # compiles this batch's shapes
+  times = [asyncio.run(once()) for _ in range(repeats)]
+  return len(prompts) * NEW / statistics.median(times)
+
+
+def torch_throughput(hf_model, prompts, repeats):
+  import torch
+  x = torch.tensor(prompts, dtype=torch.long)
+  mask = torch.ones_like(x)
+  kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+  times = []
+  with torch.inference_mode():
+    hf_model.generate(x[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
+                      pad_token_id=0)
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      out = hf_model.generate(x, attention_mask=mask, **kw)
+      times.append(time.perf_counter() - t0)
+      assert out.shape[1] == PROMPT + NEW
+  return len(prompts) * NEW / statistics.median(times)
+
+
+def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=64, seed=0):
+  from rao_jax.rollout import GenerateRequest, SamplingParams
+  from rao_jax.rollout.embedded import EmbeddedEngine
+  rng = np.random.default_rng(seed)
+  firsts = [list(map(int, rng.integers(3, 49000, first_prompt))) for _ in range(agents)]
+  observations = [[list(map(int, rng.integers(3, 49000, obs))) for _ in range(turns)]
+                  for _ in range(agents)]
+  engine = EmbeddedEngine(model, num_slots=agents, max_len=1024, cache_lens=(256, 512, 1024),
+                          chunk_sizes=(16, 64, 256), prefill_rows=(1, 8), decode_steps=1)
+  params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+
+  async def agent(i):
+    history = list(firsts[i])
+    for t in range(turns):
+      r = await engine.generate(GenerateRequest(history, params,
+                                                session_id=f"a{i}" if sessions else None))
+      history = history + r.token_ids + observations[i][t]
+    return len(history)
+
+  async def run():
+    t0 = time.perf_counter()
+    await asyncio.gather(*[agent(i) for i in range(agents)])
+    dt = time.perf_counter() - t0
+    assert engine.flush_cache()     # the next repeat starts cold, like the first
+    return dt
+  return run, engine
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="one repeat each")
+  args = ap.parse_args()
+  repeats = 1 if args.quick else 3
+  import torch
+  torch.set_num_threads(os.cpu_count() or 1)
+  from rao_jax.model import load_pretrained
+  from rao_jax.model.weights import export_hf
+  from rao_jax.rollout.embedded import EmbeddedEngine
+  from transformers import AutoModelForCausalLM
+
+  say("loading SmolLM2-135M (float32)")
+  model, tok = load_pretrained("smollm2-135m", dtype="float32")
+  tmp = tempfile.mkdtemp(prefix="bench_rollout_")
+  export_hf(model, None, tok, tmp)
+  hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+  rng = np.random.default_rng(0)
+  out = {}
+  # One engine for all batch sizes: decode runs over the first 1 / 8 / 32 slots only.
+  engine = EmbeddedEngine(model, num_slots=32, max_len=384, cache_lens=(256, 384),
+                          chunk_sizes=(64, 256), prefill_rows=(1, 8), decode_rows=(1, 8, 32))
+  for b in (1, 8, 32):
+    prompts = [list(map(int, rng.integers(3, 49000, PROMPT))) for _ in range(b)]
+    t0 = time.perf_counter()
+    jx = engine_throughput(engine, prompts, repeats)
+    say(f"b={b}: embedded {jx:.1f} tok/s ({time.perf_counter() - t0:.0f} s incl. compile)")
+    pt = torch_throughput(hf, prompts, repeats if b < 32 else max(1, repeats - 1))
+    say(f"b={b}: torch generate {pt:.1f} tok/s")
+    out[f"embedded_tok_s_b{b}"] = round(jx, 2)
+    out[f"torch_tok_s_b{b}"] = round(pt, 2)
+    out[f"ratio_b{b}"] = round(jx / pt, 3)
+  del engine
+
+  times = {}
+  for sessions in (False, True):
+    run, eng = multi_turn(model, sessions)
+    asyncio.run(run())       # compile pass (and identical work)
+    ts = [asyncio.run(run()) for _ in range(max(1, repeats - 1))]
+    times[sessions] = statistics.median(ts)
+    say(f"multi-turn sessions={sessions}: {times[sessions]:.1f} s "
+        f"(prefilled {eng.stats['prefill_tokens']} tokens, cached {eng.stats['cached_tokens']})")
+  out["multi_turn_s_no_sessions"] = round(times[False], 2)
+  out["multi_turn_s_sessions"] = round(times[True], 2)
+  out["session_speedup"] = round(times[False] / times[True], 3)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
