@@ -155,7 +155,8 @@ def test_client_server_parity_validation_and_weight_sync(server, model, tmp_path
     # Weight sync through disk: export new weights, pause -> flush -> update -> continue.
     from rao_jax.model.weights import export_hf
     graphdef, state = nnx.split(model)
-    other = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, state))
+    other = nnx.merge(graphdef, jax.jit(
+        lambda st: jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, st))(state))
     running = asyncio.create_task(client.generate(GenerateRequest(ps[3], greedy(15))))
     folder = await client.sync_weights(other, 3, str(tmp_path))
     assert os.path.basename(folder) == "v000003"

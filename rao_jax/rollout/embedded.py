@@ -169,10 +169,9 @@ def _take_rows(cache, rows, batch_ax):
 
 
 def _put_rows(cache, sub, rows, batch_ax):
-  def put(x, s, ax):
-    x_m = jnp.moveaxis(x, ax, 0)
-    return jnp.moveaxis(x_m.at[rows].set(jnp.moveaxis(s, ax, 0)), 0, ax)
-  return jax.tree.map(put, cache, sub, batch_ax)
+  # Index the batch axis in place (no moveaxis: a transpose of the whole cache is a copy).
+  return jax.tree.map(lambda x, s, ax: x.at[(slice(None),) * ax + (rows,)].set(s),
+                      cache, sub, batch_ax)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
