@@ -98,13 +98,45 @@ def _ctx(group: Mapping[str, int], known: Mapping[str, dict]) -> str:
   return ""
 
 
-def _recipe(info: Mapping[str, Any], known: Mapping[str, dict]) -> dict[str, int] | None:
-  """Concrete ingredients per craft of the item's first recipe (tags: the best-held member)."""
+def _names(ing: str, per: Any) -> list[str]:
+  return list(per.get("use_one_of") or []) if isinstance(per, dict) else [ing]
+
+
+def _choose(info: Mapping[str, Any], known: Mapping[str, dict]) -> int | None:
+  """Which recipe to use: the first whose every ingredient is held or craftable from below.
+
+  Items with several recipes (red_dye from a poppy, a beetroot, ...) or cyclic ones
+  (lapis_block <-> lapis_lazuli) need this; None means an ingredient must be looked up first.
+  """
   recipes = info.get("recipes") or []
-  if not recipes:
+  if len(recipes) <= 1:
+    return 0 if recipes else None
+  depth = info.get("crafting_depth")
+  missing = False
+  for i, r in enumerate(recipes):
+    ok = True
+    for ing, per in r["ingredients"].items():
+      infos = [known.get(x) for x in _names(ing, per)]
+      held = any(v and v.get("in_inventory", 0) > 0 for v in infos)
+      below = any(v and v.get("can_craft") and isinstance(v.get("crafting_depth"), int)
+                  and isinstance(depth, int) and v["crafting_depth"] < depth for v in infos)
+      if not (held or below):
+        missing = missing or any(v is None for v in infos)
+        ok = False
+        break
+    if ok:
+      return i
+  return None if missing else 0
+
+
+def _recipe(info: Mapping[str, Any], known: Mapping[str, dict]) -> tuple[dict[str, int], int] | None:
+  """(concrete ingredients per craft, result count) of the chosen recipe; tags -> best member."""
+  i = _choose(info, known)
+  if i is None:
     return None
+  r = info["recipes"][i]
   out = {}
-  for ing, per in recipes[0]["ingredients"].items():
+  for ing, per in r["ingredients"].items():
     if isinstance(per, dict):   # a tag: {"count": n, "use_one_of": [...]}
       members = per.get("use_one_of") or []
       held = sorted(members, key=lambda x: -(known.get(x, {}).get("in_inventory", 0)))
@@ -114,16 +146,18 @@ def _recipe(info: Mapping[str, Any], known: Mapping[str, dict]) -> dict[str, int
       out[best] = out.get(best, 0) + int(per["count"])
     else:
       out[ing] = out.get(ing, 0) + int(per)
-  return out
+  return out, int(r["result_count"])
 
 
-def _tag_members_unknown(info: Mapping[str, Any], known: Mapping[str, dict]) -> list[str]:
-  out = []
-  for r in (info.get("recipes") or [])[:1]:
-    for per in r["ingredients"].values():
-      if isinstance(per, dict):
-        out += [x for x in per.get("use_one_of", []) if x not in known]
-  return out
+def _lookups(info: Mapping[str, Any], known: Mapping[str, dict]) -> list[str]:
+  """Items to look up before this item's recipe can be chosen and its tags resolved."""
+  recipes = info.get("recipes") or []
+  i = _choose(info, known)
+  if i is None:   # several recipes, undecided: look at every ingredient of every recipe
+    pool = [(ing, per) for r in recipes for ing, per in r["ingredients"].items()]
+  else:           # tags of the chosen recipe: which member do we hold?
+    pool = [(ing, per) for ing, per in recipes[i]["ingredients"].items() if isinstance(per, dict)]
+  return [x for ing, per in pool for x in _names(ing, per) if x not in known]
 
 
 def plan_crafts(targets: Mapping[str, int], known: Mapping[str, dict],
@@ -149,11 +183,10 @@ def plan_crafts(targets: Mapping[str, int], known: Mapping[str, dict],
     if info is None:
       unknown.append(x)
       continue
-    unknown += [m for m in _tag_members_unknown(info, known) if m not in seen]
-    seen.update(_tag_members_unknown(info, known))
+    unknown += _lookups(info, known)
     rec = _recipe(info, known)
     if rec:
-      stack.extend(rec)
+      stack.extend(rec[0])
   if unknown:
     return [], sorted(set(unknown))
 
@@ -169,14 +202,14 @@ def plan_crafts(targets: Mapping[str, int], known: Mapping[str, dict],
     rec = _recipe(info, known)
     if not rec or not info.get("can_craft"):
       continue
+    ings, rc = rec
     short = need[x] - have.get(x, 0)
     if short <= 0:
       continue
-    rc = int(info["recipes"][0]["result_count"])
     n = -(-short // rc)
-    for ing, per in rec.items():
+    for ing, per in ings.items():
       need[ing] += per * n
-    steps.append(({ing: per * n for ing, per in rec.items()}, x, n * rc))
+    steps.append(({ing: per * n for ing, per in ings.items()}, x, n * rc))
   return steps[::-1], []
 
 
@@ -218,9 +251,11 @@ def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> 
   # base materials nor misjudges budgets), then delegates; a node that started to work alone
   # keeps going alone.
   if can_launch and depth >= cfg.delegate_min_depth and turns_taken <= 2:
-    ings = sorted({i for t in targets for i in (_recipe(known[t], known) or {})})
-    if any(i not in known for i in ings):
-      return "Look up ingredients.\n```python\n" + _info_cell(ings) + "\n```"
+    pending = sorted({x for t in targets for x in _lookups(known[t], known)})
+    ings = sorted({i for t in targets for i in ((_recipe(known[t], known) or ({}, 1))[0])})
+    if pending or any(i not in known for i in ings):
+      return ("Look up ingredients.\n```python\n"
+              + _info_cell(sorted(set(pending) | set(ings))) + "\n```")
     turn = _delegate_turn(prompt_text, targets, known, cfg, depth, turns_taken)
     if turn is not None:
       return turn
@@ -252,9 +287,7 @@ def _delegate_turn(prompt_text: str, targets, known, cfg: ScriptedConfig,
   need: collections.Counter = collections.Counter()
   crafts = []
   for t, count in targets.items():
-    info = known[t]
-    rec = _recipe(info, known) or {}
-    rc = int(info["recipes"][0]["result_count"]) if info.get("recipes") else 1
+    rec, rc = _recipe(known[t], known) or ({}, 1)
     n = -(-count // rc)
     for ing, per in rec.items():
       need[ing] += per * n
