@@ -1,0 +1,144 @@
+"""Forward+backward of the mean token cross-entropy on SmolLM2-135M: rao_jax vs transformers.
+
+Both run float32 on CPU over the same weights and the same batch (default 4 x 512 tokens):
+ours is one jitted ``value_and_grad`` step; the peer is transformers' LlamaForCausalLM on
+PyTorch (``loss.backward()``). Steps alternate between the two so machine noise hits both;
+medians after warm-up. Progress goes to stderr; the last stdout line is JSON.
+
+    python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def log(*a):
+  print(*a, file=sys.stderr, flush=True)
+
+
+def make_ours(model, tokens_BxT, forward_only=False):
+  from rao_jax.model import token_logprobs
+  graphdef, state = nnx.split(model)
+  B, T = tokens_BxT.shape
+  positions = jnp.broadcast_to(jnp.arange(T - 1), (B, T - 1))
+  segments = jnp.ones((B, T - 1), jnp.int32)
+
+  def loss_fn(state, tokens):
+    m = nnx.merge(graphdef, state)
+    hidden = m(tokens[:, :-1], positions, segments)
+    return -token_logprobs(m, hidden, tokens[:, 1:]).mean()
+
+  fn = jax.jit(loss_fn if forward_only else jax.value_and_grad(loss_fn))
+  tokens = jnp.asarray(tokens_BxT)
+
+  def step():
+    return jax.block_until_ready(fn(state, tokens))
+  return step
+
+
+def make_peer(model, tokens_BxT, forward_only=False):
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+  from rao_jax.model.weights import hf_state_dict
+  torch.manual_seed(0)
+  hf_cfg = LlamaConfig(**{k: v for k, v in model.cfg.to_hf_config().items()
+                          if k not in ("architectures", "model_type", "torch_dtype")})
+  hf_cfg._attn_implementation = "sdpa"
+  peer = LlamaForCausalLM(hf_cfg)
+  sd = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in hf_state_dict(model).items()}
+  missing, unexpected = peer.load_state_dict(sd, strict=False)
+  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+  peer.tie_weights()
+  peer.float().train()
+  # Dropout is 0 in this config; train() only matters for parity of code paths.
+  tokens = torch.from_numpy(np.asarray(tokens_BxT, np.int64))
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  def step():
+    if forward_only:
+      with torch.no_grad():
+        logits = peer(input_ids=inputs, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1)).item()
+    peer.zero_grad(set_to_none=True)
+    logits = peer(input_ids=inputs, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1))
+    loss.backward()
+    return loss.item()
+  return step
+
+
+def timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t0, out
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=512)
+  parser.add_argument("--steps", type=int, default=5, help="measured steps per side")
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--quick", action="store_true", help="batch 2 x 256, 3 steps")
+  parser.add_argument("--forward", action="store_true", help="also time forward-only steps")
+  args = parser.parse_args()
+  if args.quick:
+    args.batch, args.seq, args.steps, args.warmup = 2, 256, 3, 1
+  import torch
+  from rao_jax.model import load_model
+  log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
+      f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+  t0 = time.time()
+  model = load_model("smollm2-135m", dtype="float32")
+  log(f"loaded SmolLM2-135M in {time.time() - t0:.1f}s")
+  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size,
+                                             (args.batch, args.seq + 1))
+  ours, peer = make_ours(model, tokens), make_peer(model, tokens)
+  t0 = time.time()
+  loss_ours = float(ours()[0])
+  log(f"ours: compiled + first step in {time.time() - t0:.1f}s, loss {loss_ours:.4f}")
+  loss_peer = peer()
+  log(f"peer loss {loss_peer:.4f} (|diff| {abs(loss_ours - loss_peer):.2e})")
+  for _ in range(args.warmup):
+    ours(), peer()
+  t_ours, t_peer = [], []
+  for i in range(args.steps):
+    t_ours.append(timed(ours)[0])
+    t_peer.append(timed(peer)[0])
+    log(f"step {i}: ours {t_ours[-1]:.3f}s  peer {t_peer[-1]:.3f}s")
+  result = {}
+  if args.forward:
+    f_ours, f_peer = make_ours(model, tokens, True), make_peer(model, tokens, True)
+    f_ours(), f_peer()
+    fo, fp = [], []
+    for _ in range(args.steps):
+      fo.append(timed(f_ours)[0])
+      fp.append(timed(f_peer)[0])
+    result.update(ours_forward_s=statistics.median(fo), peer_forward_s=statistics.median(fp),
+                  ours_bwd_over_fwd=statistics.median(t_ours) / statistics.median(fo) - 1,
+                  peer_bwd_over_fwd=statistics.median(t_peer) / statistics.median(fp) - 1)
+  n_tok = args.batch * args.seq
+  ours_tps = n_tok / statistics.median(t_ours)
+  peer_tps = n_tok / statistics.median(t_peer)
+  result = {"benchmark": "model_fwd_bwd_smollm2_135m_f32", "batch": args.batch,
+            "seq": args.seq, "steps": args.steps, "ours_step_s": statistics.median(t_ours),
+            "peer_step_s": statistics.median(t_peer), "ours_tokens_per_s": round(ours_tps, 1),
+            "peer_tokens_per_s": round(peer_tps, 1), "ratio": round(ours_tps / peer_tps, 3),
+            "loss_ours": loss_ours, "loss_peer": loss_peer, **result}
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
