@@ -67,7 +67,9 @@ def _summarise(trees, window: int) -> dict:
 
 async def _run(env, engine, tok, tasks, cfg: RunnerConfig, batch: int):
   """Runs the tasks in concurrent batches; keeps only what the summary needs."""
-  runner = TreeRunner(env, engine, tok, LocalReplPool(), cfg)
+  # No cell timeout: the in-process REPL counts the time a root's cell awaits its helpers (the
+  # jailed REPL does not count tool time), and with many trees at once that exceeds 60 s.
+  runner = TreeRunner(env, engine, tok, LocalReplPool(cell_timeout_s=None), cfg)
   out = []
   for i in range(0, len(tasks), batch):
     trees = await runner.run_tasks(tasks[i:i + batch])

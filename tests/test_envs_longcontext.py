@@ -218,7 +218,10 @@ def test_root_verifier_uses_oolong_score():
 # -- runs through the agent runtime --------------------------------------------------------------
 
 def _run(env, engine, tokenizer, tasks, **cfg):
-  runner = TreeRunner(env, engine, tokenizer, LocalReplPool(), RunnerConfig(**cfg))
+  # No cell timeout: the local REPL counts the time a delegating cell awaits its helpers (the
+  # jailed one does not), and a loaded CI machine must not turn that into a failure.
+  runner = TreeRunner(env, engine, tokenizer, LocalReplPool(cell_timeout_s=None),
+                      RunnerConfig(**cfg))
   return asyncio.run(runner.run_tasks(tasks))
 
 

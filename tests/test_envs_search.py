@@ -130,7 +130,8 @@ def test_tools_verifiers_and_child_spec(world):
 
 def _run(env, tasks, recursive):
   tok = ByteChatTokenizer()
-  runner = TreeRunner(env, make_search_engine(tok), tok, LocalReplPool(),
+  # No cell timeout: the local REPL counts time spent awaiting helpers (the jailed one does not).
+  runner = TreeRunner(env, make_search_engine(tok), tok, LocalReplPool(cell_timeout_s=None),
                       RunnerConfig(recursive=recursive, context_window=60_000, max_depth=1,
                                    max_new_tokens=2048))
   return asyncio.run(runner.run_tasks(tasks))
