@@ -294,14 +294,14 @@ def test_real_smollm2_greedy_matches_plain_model():
   p = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                               add_generation_prompt=True)
   async def go():
-    eng = EmbeddedEngine(model, num_slots=1, max_len=64, cache_lens=(64,), chunk_sizes=(32,),
+    eng = EmbeddedEngine(model, num_slots=1, max_len=64, cache_lens=(64,), chunk_sizes=(16,),
                          prefill_rows=(1,))
     r = await eng.generate(GenerateRequest(p, greedy(8, stop_token_ids=tuple(
         tok.stop_token_ids))))
     await eng.close()
     return r
   r = run(go())
-  assert len(p) + 8 <= REF_T
+  assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and r.token_ids
   assert r.token_ids == reference_greedy(model, p, len(r.token_ids))
   np.testing.assert_allclose(r.logprobs, recomputed_logprobs(model, p, r.token_ids),
                              atol=1e-4, rtol=0)
