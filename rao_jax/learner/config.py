@@ -39,8 +39,10 @@ class LearnerConfig:
     row_len: T, tokens per packed row.
     micro_batch_rows: rows per micro-batch; a batch of B rows runs B / micro_batch_rows
       micro-batches with gradient accumulation (lax.scan).
-    bucket_rows: the fixed set of row counts a packed batch is padded to; each compiles once.
-      Every entry must be a multiple of `micro_batch_rows`.
+    bucket_rows: the fixed set of row counts a packed batch is padded to; each row count the
+      run actually meets compiles once. Every entry must be a multiple of `micro_batch_rows`.
+      Fine spacing keeps padding rows few (every multiple of 4: ~0.96 real tokens per slot
+      on RAO-like trees, vs ~0.87 with powers of two) at the price of a few more compilations.
     seed: seed of parameter init (when no params are given) and of the step RNG.
     ckpt_dir: Orbax checkpoint directory ("" = no checkpoints).
     ckpt_every: save every N steps (`Learner.maybe_save`); the trainer also saves at the end.
@@ -66,7 +68,7 @@ class LearnerConfig:
   grad_clip: float = 1.0
   row_len: int = 2048
   micro_batch_rows: int = 4
-  bucket_rows: tuple[int, ...] = (4, 8, 16, 32, 64)
+  bucket_rows: tuple[int, ...] = tuple(range(4, 129, 4))
   seed: int = 0
   ckpt_dir: str = ""
   ckpt_every: int = 10

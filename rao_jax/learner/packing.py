@@ -115,7 +115,7 @@ def _check_node(tree, node, row_len: int) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
-               bucket_rows: Sequence[int] = (4, 8, 16, 32, 64), *, loss: str = "rao",
+               bucket_rows: Sequence[int] = tuple(range(4, 129, 4)), *, loss: str = "rao",
                token_sum_normalizer: float = 1024.0,
                drop_zero_advantage: bool = False) -> PackedBatch:
   """Packs every node trajectory of `trees` into a fixed-shape batch.
