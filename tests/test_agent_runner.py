@@ -17,7 +17,7 @@ _SYNTH = []
 
 def synth_env():
   if not _SYNTH:
-    _SYNTH.append(ts.TextCraftSynthEnv(ts.SynthConfig(tasks_per_difficulty=6)))
+    _SYNTH.append(ts.TextCraftSynthEnv(ts.SynthConfig(tasks_per_difficulty=6, items_per_tier=60)))
   return _SYNTH[0]
 
 
@@ -158,6 +158,19 @@ def test_step_budget_and_turn_limit_end_nodes_with_their_reasons():
   (tree,) = run(env, CodeEngine(fn), [_task(env)], max_depth=2, max_steps_per_agent=3)
   assert [n.end_reason for n in tree.nodes] == ["max_steps", "max_steps"]
   assert [n.num_steps for n in tree.nodes] == [3, 3]
+
+
+def test_node_timeout_ends_the_node():
+  env = synth_env()
+
+  class Slow(CodeEngine):
+    async def generate(self, request):
+      await asyncio.sleep(0.05)
+      return await super().generate(request)
+
+  (tree,) = run(env, Slow(lambda text, turn: _code("print(1)")), [_task(env)],
+                recursive=False, node_timeout_s=0.12)
+  assert tree.root.end_reason == "timeout" and 1 <= tree.root.num_steps <= 3
 
 
 def test_context_limit_ends_the_node():
