@@ -185,6 +185,13 @@ def test_context_limit_ends_the_node():
                 [_task(env)], recursive=False, context_window=4000, max_new_tokens=8192)
   assert tree.root.end_reason == "context" and len(tree.root.token_ids) == 4000
 
+  class Full(CodeEngine):   # an engine whose own window is smaller than the runner's
+    async def generate(self, request):
+      return rollout.GenerateResult([], [], rollout.FinishReason.CONTEXT, 7, message="full")
+
+  (tree,) = run(env, Full(None), [_task(env)], recursive=False)
+  assert tree.root.end_reason == "context" and tree.root.num_steps == 0
+
 
 def test_failures_are_data():
   env = synth_env()

@@ -287,6 +287,10 @@ class TreeRunner:
       if res.finish_reason == rollout.FinishReason.ABORT:
         rec.extras["error"] = f"generation aborted: {res.message}"
         return R.END_ERROR
+      if not res.token_ids and res.finish_reason == rollout.FinishReason.CONTEXT:
+        # The engine's own window (e.g. its cache length) is full before ours.
+        rec.extras["context_note"] = res.message or "the engine's context limit was reached"
+        return R.END_CONTEXT
       if not res.token_ids:
         rec.extras["error"] = "engine generated no tokens"
         return R.END_ERROR
