@@ -258,6 +258,8 @@ def test_bad_batches_are_clear_errors(learner_pair):
   big = dict(arrays, tokens_BxT=np.full_like(arrays["tokens_BxT"], VOCAB))
   with pytest.raises(ValueError, match="vocabulary"):
     single.step(big)
+  with pytest.raises(ValueError, match="token_sum"):
+    single.step(dataclasses.replace(batch, normalization="token_sum"))
   with pytest.raises(ValueError, match="micro_batch_rows"):
     Learner(lcfg(micro_batch_rows=2, bucket_rows=(4,)), MODEL_CFG,
             mesh=sharding.make_mesh(4, 1, 2), params=init_params(0))

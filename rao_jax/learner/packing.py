@@ -46,6 +46,7 @@ class PackedBatch:
     kl_weight_BxT: weight of the KL penalty per loss token: w_d / |M_v| (or w_d), 0 elsewhere.
     rollout_logp_BxT: the rollout's logprob of each target token (float32; 0 elsewhere).
     normalizer: the loss divisor: N (nodes in the learner batch) or the constant C.
+    normalization: "node_mean" or "token_sum": how coef_BxT and normalizer were built.
     placements: one Placement per packed trajectory.
     num_rows_used: rows holding at least one trajectory (<= B).
     stats: logging scalars: packing_efficiency (real tokens / B*T), row_fill (real tokens /
@@ -64,6 +65,7 @@ class PackedBatch:
   placements: tuple[Placement, ...]
   num_rows_used: int
   stats: dict[str, float]
+  normalization: str = "node_mean"
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -236,4 +238,5 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
   }
   return PackedBatch(tokens_BxT, targets_BxT, positions_BxT, segment_ids_BxT, loss_mask_BxT,
                      coef_BxT, kl_weight_BxT, rollout_logp_BxT, normalizer,
-                     tuple(sorted(placements, key=lambda p: p.node_index)), rows_used, stats)
+                     tuple(sorted(placements, key=lambda p: p.node_index)), rows_used, stats,
+                     spec.normalization)

@@ -369,6 +369,11 @@ class Learner:
       ValueError: a batch of the wrong shape, an unbucketed row count, bad token ids.
     """
     if isinstance(batch, PackedBatch):
+      if batch.normalization != self._spec.normalization:
+        raise ValueError(
+            f"Learner.step: the batch was packed for {batch.normalization!r} coefficients but "
+            f"LearnerConfig.loss={self.cfg.loss!r} needs {self._spec.normalization!r}; pack with "
+            f"loss={self.cfg.loss!r} (Learner.prepare does).")
       arrays, stats = batch.arrays(), batch.stats
     else:
       arrays, stats = dict(batch), {}
