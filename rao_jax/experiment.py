@@ -130,7 +130,8 @@ def _dtype(name: str):
 def load_policy(config):
   """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder)."""
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
-  return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype))
+  return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype),
+                         remat=config.model.remat)
 
 
 def make_mesh(spec: str):

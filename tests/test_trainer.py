@@ -66,7 +66,7 @@ def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):
   row = [r for r in rows if "train/success" in r][-1]
   for key in ("train/reward", "train/learner/loss", "train/rollout/tokens_per_s",
               "train/time/rollout_s", "train/time/learner_s", "train/tree_depth",
-              "train/rl/frac_source_verifier"):
+              "train/rl/source_frac/verifier", "train/rl/reward/depth_0"):
     assert key in row, (key, sorted(row))
   assert any("eval/success_easy" in r for r in rows)
   assert os.path.exists(os.path.join(wd, "plot.png"))

@@ -29,6 +29,8 @@ def base_config() -> config_dict.ConfigDict:
   c.model = config_dict.ConfigDict()
   c.model.name = "smollm2-135m"      # registry name, GGUF file, or HF checkpoint folder
   c.model.dtype = "auto"             # "auto": float32 on CPU, bfloat16 on GPU/TPU
+  c.model.remat = "full"             # learner activation checkpointing: none | dots | full
+                                     # (rows of 2K+ tokens need "full": attention is T x T)
 
   c.env = config_dict.ConfigDict()
   c.env.name = "textcraft_synth"     # textcraft | textcraft_synth | longcontext | search
