@@ -156,7 +156,8 @@ def learner_config(config, workdir: str, *, sft: bool = False):
   mesh_rows = jax.device_count() if config.learner.mesh == "auto" else 1
   micro = max(int(config.learner.micro_batch_rows), 1)
   micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
-  buckets = tuple(micro * m for m in (1, 2, 4, 8, 16))
+  # Row-count buckets ~1.5x apart: little padding, and each compiles once per run.
+  buckets = tuple(micro * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
   return LearnerConfig(
       loss="rao" if sft else config.rl.loss,
       lam=float(config.rl.lam),

@@ -39,9 +39,12 @@ def _demo(c):
   c.rl.tasks_per_step = 2
   c.eval.every = 3
   c.eval.num_tasks = 4
-  c.sft.num_demos = 48
-  c.sft.steps = 12
-  c.sft.trees_per_step = 4
+  c.agent.max_new_tokens = 256
+  c.agent.max_steps_per_agent = 4
+  c.rl.tasks_per_step = 1
+  c.sft.num_demos = 24
+  c.sft.steps = 6
+  c.sft.trees_per_step = 1
   c.sft.lr = 1e-4
 
 
@@ -58,7 +61,7 @@ def _smoke(c):
   c.rl.group_size = 2
   c.rl.tasks_per_step = 2
   c.learner.row_len = 2048
-  c.learner.micro_batch_rows = 2
+  c.learner.micro_batch_rows = 1        # CPU: one row per micro-batch keeps memory small
   c.rollout.num_slots = 8
   c.sandbox.pool_size = 4
   c.ckpt.every = 1
