@@ -199,61 +199,29 @@ def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
   return out
 
 
-# ---- safetensors (read and written directly: bf16 needs no torch, damage is reported) ----------
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "F64": np.float64, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
-              "I8": np.int8, "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+# ---- safetensors (the `safetensors` package's numpy API: no torch; bf16 via ml_dtypes) ---------
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """All tensors of a .safetensors file as numpy arrays (memory-mapped, zero-copy).
+  """All tensors of a .safetensors file as numpy arrays.
 
   Raises:
     WeightFileError: truncated or corrupt file (naming it).
   """
-  size = os.path.getsize(path)
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   try:
-    with open(path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      if n <= 0 or 8 + n > size:
-        raise ValueError(f"header length {n} does not fit in {size} bytes")
-      header = json.loads(f.read(n))
-  except (struct.error, ValueError, UnicodeDecodeError) as e:
+    with safe_open(path, framework="numpy") as f:
+      return {name: f.get_tensor(name) for name in f.keys()}
+  except Exception as e:  # SafetensorError, OSError, ValueError: all mean a damaged file here
     raise WeightFileError(f"safetensors file {path} is truncated or corrupt ({e}).") from e
-  header.pop("__metadata__", None)
-  data = np.memmap(path, dtype=np.uint8, mode="r")
-  out = {}
-  for name, info in header.items():
-    start, end = info["data_offsets"]
-    if 8 + n + end > size:
-      raise WeightFileError(
-          f"safetensors file {path} is truncated: tensor {name!r} needs bytes up to "
-          f"{8 + n + end}, the file has {size}.")
-    dtype = _ST_DTYPES.get(info["dtype"])
-    if dtype is None:
-      raise WeightFileError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}.")
-    out[name] = data[8 + n + start: 8 + n + end].view(dtype).reshape(info["shape"])
-  return out
 
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
-  header, offset, arrays = {}, 0, []
-  for name in sorted(tensors):
-    a = np.ascontiguousarray(tensors[name])
-    header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + a.nbytes]}
-    offset += a.nbytes
-    arrays.append(a)
-  header["__metadata__"] = dict(metadata or {"format": "pt"})
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # tensors start 8-byte aligned
+  """Writes `tensors` atomically (a temporary file renamed into place)."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for a in arrays:
-      f.write(a.tobytes())
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
+            metadata=dict(metadata or {"format": "pt"}))
   os.replace(tmp, path)
 
 
