@@ -150,6 +150,16 @@ def make_mesh(spec: str):
   return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])
 
 
+def _row_len(config) -> int:
+  row = int(config.learner.row_len) or int(config.agent.context_window)
+  if row < int(config.agent.context_window):
+    raise ValueError(
+        f"config.learner.row_len={row} is shorter than config.agent.context_window="
+        f"{config.agent.context_window}: a full-window node would not fit a row. Set "
+        "--config.learner.row_len=0 (= the context window) or at least the window.")
+  return row
+
+
 def learner_config(config, workdir: str, *, sft: bool = False):
   from rao_jax.learner import LearnerConfig  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -162,6 +172,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       loss="rao" if sft else config.rl.loss,
       lam=float(config.rl.lam),
       clip_eps=float(config.rl.clip_eps),
+      cispo_ratio_max=float(config.rl.cispo_ratio_max),
       kl_coef=0.0 if sft else float(config.rl.kl_coef),
       temperature=1.0 if sft else max(float(config.agent.temperature), 1e-6),
       lr=float(config.sft.lr if sft else config.optim.lr),
@@ -170,7 +181,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       weight_decay=float(config.optim.weight_decay),
       b1=float(config.optim.b1), b2=float(config.optim.b2),
       grad_clip=float(config.optim.grad_clip),
-      row_len=int(config.learner.row_len),
+      row_len=_row_len(config),
       micro_batch_rows=micro,
       bucket_rows=buckets,
       seed=int(config.seed),

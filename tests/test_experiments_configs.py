@@ -22,7 +22,7 @@ def test_every_variant_builds_and_translates(mod, arg):
   assert rc.recursive == (c.agent.mode == "recursive")
   assert rc.context_window == c.agent.context_window
   lc = X.learner_config(c, "/tmp/unused")
-  assert lc.row_len == c.learner.row_len and lc.loss == c.rl.loss
+  assert lc.row_len == c.agent.context_window and lc.loss == c.rl.loss
   with pytest.raises(AttributeError):
     c.agent.not_a_field = 1   # locked: typos in overrides fail loudly
 
@@ -82,3 +82,10 @@ def test_train_tasks_are_a_pure_function_of_seed_and_step():
 def test_binomial_ci():
   lo, hi = X.binomial_ci95([1.0] * 50 + [0.0] * 50)
   assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * 0.5025 / 10, rel=1e-2)
+
+
+def test_row_shorter_than_the_context_window_is_refused():
+  c = textcraft_synth.get_config("recursive,ctx=8192")
+  c.learner.row_len = 2048
+  with pytest.raises(ValueError, match="row_len=2048 is shorter"):
+    X.learner_config(c, "/tmp/unused")

@@ -57,7 +57,8 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.tasks_per_step = 4            # root tasks per RL step
   c.rl.lam = 0.5                     # delegation bonus lambda of RAO_SPEC
   c.rl.loss = "rao"                  # rao | token_sum | ppo_clip | cispo
-  c.rl.clip_eps = 0.2                # ppo_clip epsilon / cispo eps_high
+  c.rl.clip_eps = 0.2                # ppo_clip epsilon
+  c.rl.cispo_ratio_max = 5.0         # cispo: the importance ratio is clipped to [0, this]
   c.rl.kl_coef = 0.0                 # KL penalty to the initial policy (0 = off)
   c.rl.overlap = False               # overlap next step's rollouts with this update (1 off-policy)
   c.rl.max_staleness = 1             # with overlap: max weight versions a sample may lag
@@ -71,7 +72,8 @@ def base_config() -> config_dict.ConfigDict:
   c.optim.b2 = 0.95
 
   c.learner = config_dict.ConfigDict()
-  c.learner.row_len = 2048           # tokens per packed row
+  c.learner.row_len = 0              # tokens per packed row; 0 = the agent's context window
+                                     # (a node never exceeds it, so every node fits a row)
   c.learner.micro_batch_rows = 4     # rows per micro-batch (gradient accumulation over them)
   c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
 

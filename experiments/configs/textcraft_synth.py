@@ -60,7 +60,6 @@ def _smoke(c):
   c.agent.max_depth = 2
   c.rl.group_size = 2
   c.rl.tasks_per_step = 2
-  c.learner.row_len = 2048
   c.learner.micro_batch_rows = 1        # CPU: one row per micro-batch keeps memory small
   c.rollout.num_slots = 8
   c.sandbox.pool_size = 4
