@@ -167,7 +167,9 @@ def learner_config(config, workdir: str, *, sft: bool = False):
   micro = max(int(config.learner.micro_batch_rows), 1)
   micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
   # Row-count buckets ~1.5x apart: little padding, and each compiles once per run.
-  buckets = tuple(micro * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+  # Explicit buckets are rounded up to whole micro-batches (the mesh may force a larger one).
+  buckets = tuple(sorted({-(-int(b) // micro) * micro for b in config.learner.bucket_rows})
+                  ) or tuple(micro * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
   return LearnerConfig(
       loss="rao" if sft else config.rl.loss,
       lam=float(config.rl.lam),

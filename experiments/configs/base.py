@@ -75,6 +75,8 @@ def base_config() -> config_dict.ConfigDict:
   c.learner.row_len = 0              # tokens per packed row; 0 = the agent's context window
                                      # (a node never exceeds it, so every node fits a row)
   c.learner.micro_batch_rows = 4     # rows per micro-batch (gradient accumulation over them)
+  c.learner.bucket_rows = ()         # row counts a batch is padded to (each compiles once);
+                                     # () = micro x (1, 2, 3, 4, 6, 8, 12, ..., 64)
   c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
 
   c.rollout = config_dict.ConfigDict()
