@@ -110,3 +110,41 @@ def base_config() -> config_dict.ConfigDict:
   c.sft.lr = 5e-5
   c.sft.trees_per_step = 8           # demonstration trees per supervised step
   return c
+
+
+def env_config(env_name: str, args: dict[str, str], default_ctx: int):
+  """The base config for an environment without difficulty levels (one "all" split).
+
+  Reads the common arguments: `single` | `recursive`, `ctx=N`, and `smoke` (the CPU variant).
+  """
+  c = base_config()
+  c.env.name = env_name
+  c.agent.mode = "single" if "single" in args else "recursive"
+  c.agent.context_window = int(args.get("ctx", default_ctx))
+  c.rollout.max_cache_len = c.agent.context_window
+  if "smoke" in args:
+    smoke(c)
+  c.env.train_difficulty = "all"
+  c.env.eval_difficulties = ("all",)
+  return c
+
+
+def smoke(c) -> None:
+  """A laptop-CPU variant that exercises every stage in about a minute."""
+  c.total_steps = 2
+  c.env.train_difficulty = "easy"
+  c.env.eval_difficulties = ("easy",)
+  c.agent.context_window = min(c.agent.context_window, 2048)
+  c.rollout.max_cache_len = c.agent.context_window
+  c.agent.max_new_tokens = 384          # the scripted demonstrations' longest turn fits
+  c.agent.max_steps_per_agent = 6
+  c.agent.max_depth = 2
+  c.rl.group_size = 2
+  c.rl.tasks_per_step = 2
+  c.learner.micro_batch_rows = 1        # CPU: one row per micro-batch keeps memory small
+  c.rollout.num_slots = 8
+  c.sandbox.pool_size = 4
+  c.ckpt.every = 1
+  c.eval.every = 2
+  c.eval.num_tasks = 2
+  c.eval.num_html_trees = 2

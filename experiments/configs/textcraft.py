@@ -4,20 +4,7 @@
   --config=experiments/configs/textcraft.py:single,smoke
 """
 from experiments.configs import base
-from experiments.configs import textcraft_synth
 
 
 def get_config(arg: str | None = None):
-  args = base.parse_arg(arg)
-  c = base.base_config()
-  c.env.name = "textcraft"
-  c.env.train_difficulty = "all"
-  c.env.eval_difficulties = ("all",)
-  c.agent.mode = "single" if "single" in args else "recursive"
-  c.agent.context_window = int(args.get("ctx", 8192))
-  c.rollout.max_cache_len = c.agent.context_window
-  if "smoke" in args:
-    textcraft_synth._smoke(c)  # pylint: disable=protected-access
-    c.env.train_difficulty = "all"
-    c.env.eval_difficulties = ("all",)
-  return c
+  return base.env_config("textcraft", base.parse_arg(arg), default_ctx=8192)

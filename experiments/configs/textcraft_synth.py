@@ -25,7 +25,7 @@ def get_config(arg: str | None = None):
   c.env.eval_difficulties = ("medium", "hard")
   c.agent.tree_step_budget = 200          # the paper's per-task budget
   if "smoke" in args:
-    _smoke(c)
+    base.smoke(c)
   if "demo" in args:
     _demo(c)
   return c
@@ -38,7 +38,7 @@ def _demo(c):
   1-2K tokens (system prompt, tool observations), so the demo shows every stage at the
   smallest size that still runs each of them for real.
   """
-  _smoke(c)
+  base.smoke(c)
   c.total_steps = 2
   c.agent.max_new_tokens = 256
   c.agent.max_steps_per_agent = 4
@@ -53,23 +53,3 @@ def _demo(c):
   # Few row counts: on a CPU each new one costs a minute of compilation.
   c.learner.bucket_rows = (2, 4)
 
-
-def _smoke(c):
-  """A laptop-CPU variant that exercises every stage in about a minute."""
-  c.total_steps = 2
-  c.env.train_difficulty = "easy"
-  c.env.eval_difficulties = ("easy",)
-  c.agent.context_window = min(c.agent.context_window, 2048)
-  c.rollout.max_cache_len = c.agent.context_window
-  c.agent.max_new_tokens = 384          # the scripted demonstrations' longest turn fits
-  c.agent.max_steps_per_agent = 6
-  c.agent.max_depth = 2
-  c.rl.group_size = 2
-  c.rl.tasks_per_step = 2
-  c.learner.micro_batch_rows = 1        # CPU: one row per micro-batch keeps memory small
-  c.rollout.num_slots = 8
-  c.sandbox.pool_size = 4
-  c.ckpt.every = 1
-  c.eval.every = 2
-  c.eval.num_tasks = 2
-  c.eval.num_html_trees = 2
