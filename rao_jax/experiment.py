@@ -178,7 +178,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       kl_coef=0.0 if sft else float(config.rl.kl_coef),
       temperature=1.0 if sft else max(float(config.agent.temperature), 1e-6),
       lr=float(config.sft.lr if sft else config.optim.lr),
-      warmup_steps=int(config.optim.warmup_steps),
+      warmup_steps=int(config.sft.warmup_steps if sft else config.optim.warmup_steps),
       total_steps=max(int(config.sft.steps if sft else config.total_steps), 1),
       weight_decay=float(config.optim.weight_decay),
       b1=float(config.optim.b1), b2=float(config.optim.b2),

@@ -89,3 +89,11 @@ def test_row_shorter_than_the_context_window_is_refused():
   c.learner.row_len = 2048
   with pytest.raises(ValueError, match="row_len=2048 is shorter"):
     X.learner_config(c, "/tmp/unused")
+
+
+def test_sft_has_its_own_warmup_and_learning_rate():
+  c = textcraft_synth.get_config("recursive,demo")
+  lc = X.learner_config(c, "/tmp/unused", sft=True)
+  # A two-step warm start must not spend its steps at a warm-up learning rate of 0.
+  assert lc.warmup_steps == c.sft.warmup_steps == 0 and lc.lr == c.sft.lr
+  assert X.learner_config(c, "/tmp/unused").warmup_steps == c.optim.warmup_steps

@@ -109,6 +109,7 @@ def base_config() -> config_dict.ConfigDict:
   c.sft.num_demos = 256              # demonstration trees (scripted policy / gold trajectories)
   c.sft.lr = 5e-5
   c.sft.trees_per_step = 8           # demonstration trees per supervised step
+  c.sft.warmup_steps = 0             # linear LR warm-up of the supervised run
   return c
 
 
