@@ -26,13 +26,17 @@ template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line c
     logp_BxT = token_logprobs(model, hidden_BxTxD, targets_BxT, temperature=1.0)
     
     # 2) + 3) KV cache: prefill and decode are the same call with different T.
-    cache = model.init_cache(batch_size=B, max_len=S)   # a pytree of arrays (per layer k/v: BxSxKxh)
+    cache = model.init_cache(batch_size=B, max_len=S)   # {"k": L x [B,K,h,S], "v": L x [B,K,S,h]}
     hidden_BxTxD, cache = model.forward_cached(tokens_BxT, positions_BxT, cache, write_index_B)
     #   Writes the T new tokens' K/V into cache slots [write_index_B[b], write_index_B[b] + T) of
     #   each row b (rows are independent: continuous batching), and query i of row b attends to
-    #   cache slots j <= write_index_B[b] + i. Tokens past a row's real length are padding: their
+    #   cache slots j <= write_index_B[b] + i. A cache with more rows than B: rows [0, B) used. Tokens past a row's real length are padding: their
     #   K/V land beyond the row's length and are overwritten by the next write, never read.
     #   Must be jittable with the cache donated; S is a static shape (the engine buckets it).
+    # The same as pure functions of per-layer weights (what the rollout engine runs):
+    fns, params = model.inference_fns(), model.inference_params()
+    hidden_BxTxD, cache = fns(params, tokens_BxT, positions_BxT, cache, write_index_B)
+    logits = fns.logits(params, hidden_BxTxD)
     
     model, tokenizer = load_pretrained("smollm2-135m", dtype=...)  # registry name, a GGUF file,
                                                                      # or an HF checkpoint folder

@@ -13,6 +13,7 @@ heads that share one key/value head (H = K * g).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -23,7 +24,7 @@ from flax import nnx
 
 from rao_jax.model.config import ModelConfig, rope_inv_freq
 
-Cache = dict[str, jax.Array]   # {"k": LxBxSxKxh, "v": LxBxSxKxh}
+Cache = dict[str, list]   # {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}
 
 # Large negative instead of -inf: a fully masked row then gives a finite (uniform) softmax, so
 # padding never produces NaNs that could leak into gradients through a 0 * NaN.
@@ -260,46 +261,121 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden_BxTxD):
     """float32 logits [..., V] for final-normed hidden states."""
-    w = self.head_weight().astype(self.cfg.jnp_dtype)
-    return jnp.einsum("...D,VD->...V", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+    return _logits(self.head_weight(), hidden_BxTxD, self.cfg.jnp_dtype)
 
   # ---- 2) + 3) KV cache -----------------------------------------------------------------------
   def init_cache(self, batch_size: int, max_len: int) -> Cache:
-    """An empty KV cache: {"k", "v"} each [L, B, S, K, h] in cfg.dtype."""
+    """An empty KV cache in cfg.dtype: {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}.
+
+    One array per layer (not one stacked [L, ...] array): a decode step then reads each layer's
+    cache in place, where slicing a layer out of a stacked array copies it. Keys are stored
+    transposed (h before S) so both attention products read the cache as plain row-major
+    matrices, with no transpose (another copy) of the cache.
+    """
     cfg = self.cfg
-    shape = (cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.jnp_dtype), "v": jnp.zeros(shape, cfg.jnp_dtype)}
+    B, S, K, h = batch_size, max_len, cfg.n_kv_heads, cfg.head_dim
+    return {"k": [jnp.zeros((B, K, h, S), cfg.jnp_dtype) for _ in range(cfg.n_layers)],
+            "v": [jnp.zeros((B, K, S, h), cfg.jnp_dtype) for _ in range(cfg.n_layers)]}
+
+  def inference_params(self) -> dict[str, Any]:
+    """The weights with one dict per layer, for ``CachedForward``.
+
+    Called outside jit this copies each layer out of the stacked arrays once (the rollout
+    engine does so on every weight update). A decode step is memory-bound on CPU: slicing the
+    stacked arrays inside it copied the whole model each step and doubled its time.
+    """
+    stacked = self.layers.arrays()
+    return {"embed": self.embed[...], "head": self.head_weight(),
+            "final_norm": self.final_norm[...],
+            "layers": [{k: v[i] for k, v in stacked.items()}
+                       for i in range(self.cfg.n_layers)]}
+
+  def inference_fns(self) -> "CachedForward":
+    """The pure prefill/decode functions over ``inference_params()`` (hashable, jit-static)."""
+    return CachedForward(self.cfg)
 
   def forward_cached(self, tokens_BxT, positions_BxT, cache: Cache, write_index_B):
-    """Prefill (T > 1) or decode (T = 1) against the KV cache.
+    """Prefill (T > 1) or decode (T = 1) against the KV cache; see ``CachedForward``.
 
-    Writes the T new tokens' keys/values into slots [write_index_B[b], write_index_B[b] + T) of
-    row b; query i of row b attends to slots j <= write_index_B[b] + i. Rows are independent.
-    The caller keeps write_index_B[b] + T <= S (slots past S would be dropped).
+    Returns:
+      (final-normed hidden [B, T, D], the updated cache).
+    """
+    return CachedForward(self.cfg)(self.inference_params(), tokens_BxT, positions_BxT, cache,
+                                   write_index_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedForward:
+  """Prefill and decode as pure functions of ``Transformer.inference_params()``.
+
+  Hashable by value (its config), so jitted engine functions take it as a static argument and
+  every engine over the same architecture shares their compiled programs. The layers run
+  unrolled over per-layer weights and per-layer caches: nothing is sliced or copied per step.
+  """
+  cfg: ModelConfig
+
+  def __call__(self, params, tokens_BxT, positions_BxT, cache: Cache, write_index_B):
+    """Writes the T new tokens' keys/values into slots [w_b, w_b + T) of row b (w =
+    write_index_B) and lets query i of row b attend to slots j <= w_b + i. Rows are
+    independent (continuous batching). Slots past S are dropped (the caller keeps
+    w_b + T <= S); tokens past a row's real length are padding whose K/V land beyond the
+    row's length, are overwritten by the next write and never read. A cache with more rows
+    than B: rows [0, B) are used, the rest untouched (the engine decodes its first R slots
+    without slicing the cache). Jittable with the cache donated; S is a static shape.
 
     Returns:
       (final-normed hidden [B, T, D], the updated cache).
     """
     cfg = self.cfg
+    dt = cfg.jnp_dtype
     B, T = tokens_BxT.shape
-    S = cache["k"].shape[2]
-    write_index_B = jnp.asarray(write_index_B, jnp.int32)
-    slots_BxT = write_index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    mask_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slots_BxT[:, :, None]
-    rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    S = cache["v"][0].shape[2]
+    start_B = jnp.asarray(write_index_B, jnp.int32)
+    slots_BxT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    visible_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slots_BxT[:, :, None]
+    rows_BxT = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-
-    def layer(p, x, kv):
-      k_cache, v_cache = kv
+    x = jnp.take(params["embed"], tokens_BxT, axis=0).astype(dt)
+    ks, vs = list(cache["k"]), list(cache["v"])
+    for i, p in enumerate(params["layers"]):
       q, k, v = _qkv(cfg, p, x, cos, sin)
-      k_cache = k_cache.at[rows_BxT, slots_BxT].set(k.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[rows_BxT, slots_BxT].set(v.astype(v_cache.dtype), mode="drop")
-      attn = _attention(q, k_cache, v_cache, mask_BxTxS, cfg.jnp_dtype)
-      return _post_attention(cfg, p, x, attn), (k_cache, v_cache)
+      # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
+      ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
+      vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
+      kc, vc = (ks[i], vs[i]) if ks[i].shape[0] == B else (ks[i][:B], vs[i][:B])
+      x = _post_attention(cfg, p, x, _cache_attention(q, kc, vc, visible_BxTxS, dt))
+    return rms_norm(x, params["final_norm"], cfg.rms_eps), {"k": ks, "v": vs}
 
-    x, (k_new, v_new) = self._run_layers(self._embed(tokens_BxT), layer,
-                                         (cache["k"], cache["v"]))
-    return rms_norm(x, self.final_norm[...], cfg.rms_eps), {"k": k_new, "v": v_new}
+  def logits(self, params, hidden_BxTxD):
+    """float32 logits [..., V]."""
+    return _logits(params["head"], hidden_BxTxD, self.cfg.jnp_dtype)
+
+
+def _logits(w_VxD, hidden_BxTxD, dtype):
+  return jnp.einsum("...D,VD->...V", hidden_BxTxD, w_VxD.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _cache_attention(q_BxTxHxh, k_BxKxhxS, v_BxKxSxh, visible_BxTxS, dtype):
+  """Grouped-query attention of T queries over the cache; softmax in float32.
+
+  The g query heads of a key/value head and the T queries form the rows of one matrix per
+  (row, kv head), so each product is a plain [T*g, h] x [h, S] (and [T*g, S] x [S, h]) matmul.
+  """
+  B, T, H, h = q_BxTxHxh.shape
+  K = k_BxKxhxS.shape[1]
+  S = k_BxKxhxS.shape[-1]
+  g = H // K
+  q = (q_BxTxHxh.reshape(B, T, K, g, h).transpose(0, 2, 1, 3, 4).reshape(B, K, T * g, h)
+       * jnp.asarray(h ** -0.5, dtype))
+  batch = ((0, 1), (0, 1))
+  scores = jax.lax.dot_general(q, k_BxKxhxS, (((3,), (2,)), batch),
+                               preferred_element_type=jnp.float32)            # [B, K, Tg, S]
+  mask = jnp.broadcast_to(visible_BxTxS[:, None, :, None, :], (B, 1, T, g, S))
+  scores = jnp.where(mask.reshape(B, 1, T * g, S), scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jax.lax.dot_general(probs, v_BxKxSxh, (((3,), (2,)), batch))         # [B, K, Tg, h]
+  return out.reshape(B, K, T, g, h).transpose(0, 2, 1, 3, 4).reshape(B, T, H, h)
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------

@@ -175,7 +175,7 @@ def _put_rows(cache, sub, rows, batch_ax):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill(graphdef, batch_axes, state, cache, rows_P, tokens_PxC, start_P, n_valid_P):
+def _prefill(fns, batch_axes, params, cache, rows_P, tokens_PxC, start_P, n_valid_P):
   """Prefills one chunk for P slots; returns the cache and each row's last-token logits.
 
   Sampling is a separate program (``_sample``): it then compiles once per P, not once per
@@ -186,14 +186,13 @@ def _prefill(graphdef, batch_axes, state, cache, rows_P, tokens_PxC, start_P, n_
   """
   _TRACE_COUNTS["prefill"] += 1
   batch_ax = _axes_tree(cache, batch_axes)
-  model = nnx.merge(graphdef, state)
   sub = _take_rows(cache, rows_P, batch_ax)
   C = tokens_PxC.shape[1]
   positions_PxC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-  hidden_PxCxD, sub = model.forward_cached(tokens_PxC, positions_PxC, sub, start_P)
+  hidden_PxCxD, sub = fns(params, tokens_PxC, positions_PxC, sub, start_P)
   cache = _put_rows(cache, sub, rows_P, batch_ax)
   last_PxD = jnp.take_along_axis(hidden_PxCxD, (n_valid_P - 1)[:, None, None], axis=1)[:, 0]
-  return cache, model.logits(last_PxD[:, None])[:, 0]
+  return cache, fns.logits(params, last_PxD[:, None])[:, 0]
 
 
 @jax.jit
@@ -203,7 +202,7 @@ def _sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(graphdef, batch_axes, n_steps, state, cache, tokens_R, lengths_R, active_R,
+def _decode(fns, batch_axes, n_steps, params, cache, tokens_R, lengths_R, active_R,
             temperature_R, top_p_R, top_k_R, seeds_R):
   """n_steps decode steps over the first R slots of the cache.
 
@@ -211,31 +210,20 @@ def _decode(graphdef, batch_axes, n_steps, state, cache, tokens_R, lengths_R, ac
   their own length, which the next real write there overwrites and nothing reads.
   """
   _TRACE_COUNTS["decode"] += 1
-  batch_ax = _axes_tree(cache, batch_axes)
-  model = nnx.merge(graphdef, state)
-  R = tokens_R.shape[0]
-  full = jax.tree.leaves(cache)[0].shape[batch_axes[0]]
-  sub = cache if R == full else jax.tree.map(
-      lambda x, ax: jax.lax.slice_in_dim(x, 0, R, axis=ax), cache, batch_ax)
+  del batch_axes   # fns uses the first R rows of a larger cache in place
 
   def step(carry, _):
-    sub, tok_R, len_R = carry
-    hidden_Rx1xD, sub = model.forward_cached(tok_R[:, None], len_R[:, None], sub, len_R)
-    logits_RxV = model.logits(hidden_Rx1xD)[:, 0]
+    cache, tok_R, len_R = carry
+    hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R)
+    logits_RxV = fns.logits(params, hidden_Rx1xD)[:, 0]
     new_R, logp_R = sampling.sample(logits_RxV, temperature_R, top_p_R, top_k_R, seeds_R,
                                     len_R + 1)
     tok_R = jnp.where(active_R, new_R, tok_R)
     len_R = len_R + active_R.astype(jnp.int32)
-    return (sub, tok_R, len_R), (new_R, logp_R)
+    return (cache, tok_R, len_R), (new_R, logp_R)
 
-  (sub, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
-      step, (sub, tokens_R, lengths_R), None, length=n_steps)
-  if R != full:
-    cache = jax.tree.map(
-        lambda x, s, ax: jax.lax.dynamic_update_slice_in_dim(x, s, 0, axis=ax),
-        cache, sub, batch_ax)
-  else:
-    cache = sub
+  (cache, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
+      step, (cache, tokens_R, lengths_R), None, length=n_steps)
   return cache, toks_NxR.T, logps_NxR.T
 
 
@@ -313,8 +301,13 @@ class EmbeddedEngine(Engine):
     elif kwargs:
       config = dataclasses.replace(config, **kwargs)
     self.config = config
-    self._graphdef, self._state = nnx.split(model)
-    self._state_tree = jax.tree.structure(self._state)
+    # The engine keeps the weights only as model.inference_params() (one dict per layer);
+    # graphdef and the abstract state check and convert what update_weights() receives.
+    self._graphdef, state = nnx.split(model)
+    self._state_tree = jax.tree.structure(state)
+    self._abstract_state = jax.eval_shape(lambda: state)
+    self._state = model.inference_params()
+    fns = model.inference_fns()
     batch_ax, len_ax = _cache_axes(model)
     self._batch_axes = tuple(jax.tree.leaves(batch_ax))
     self._len_axes = tuple(jax.tree.leaves(len_ax))
@@ -326,9 +319,8 @@ class EmbeddedEngine(Engine):
     self._init_cache = model.init_cache
     self._version = weight_version
     c = config
-    self._prefill_fn = functools.partial(_prefill, self._graphdef, self._batch_axes)
-    self._decode_fn = functools.partial(_decode, self._graphdef, self._batch_axes,
-                                        c.decode_steps)
+    self._prefill_fn = functools.partial(_prefill, fns, self._batch_axes)
+    self._decode_fn = functools.partial(_decode, fns, self._batch_axes, c.decode_steps)
     self._resize_fns = {n: functools.partial(_resize, self._len_axes, n) for n in c.cache_lens}
     self._cache_len = c.cache_lens[0]
     self._cache = model.init_cache(batch_size=c.num_slots, max_len=self._cache_len)
@@ -551,12 +543,13 @@ class EmbeddedEngine(Engine):
       self._thread.start()
 
   def _as_state(self, x):
+    """New weights (Module, nnx.State or pure dict) -> inference params in the engine's dtypes."""
     if isinstance(x, nnx.Module):
       _, state = nnx.split(x)
     elif isinstance(x, nnx.State):
       state = x
     else:
-      state = jax.tree.map(lambda a: a, self._state)
+      state = jax.tree.map(lambda a: a, self._abstract_state)
       nnx.replace_by_pure_dict(state, x)
     if jax.tree.structure(state) != self._state_tree:
       raise ValueError("update_weights: the new parameters do not have the engine model's "
@@ -566,8 +559,9 @@ class EmbeddedEngine(Engine):
       if new.shape != old.shape:
         raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
                          f"has {old.shape}; the configs differ.")
-      return jax.device_put(jnp.asarray(new, old.dtype), old.sharding)
-    return jax.tree.map(cast, state, self._state)
+      return jnp.asarray(new, old.dtype)
+    state = jax.tree.map(cast, state, self._abstract_state)
+    return nnx.merge(self._graphdef, state).inference_params()
 
   # ---- scheduler thread -----------------------------------------------------------------------
   def _run(self):
