@@ -229,3 +229,15 @@ def test_bfloat16_params_and_activations_with_float32_logits():
   assert model.logits(h).dtype == jnp.float32
   lp = _logprobs(model, h, tokens)
   assert lp.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(lp)))
+
+
+def test_swiglu_custom_gradient_matches_autodiff():
+  from rao_jax.model.transformer import _swiglu
+  rng = np.random.default_rng(0)
+  gate = jnp.asarray(rng.normal(size=(3, 5, 7)) * 3, jnp.float32)
+  up = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.float32)
+  ours = jax.grad(lambda g, u: jnp.sum(_swiglu(g, u) * w), argnums=(0, 1))(gate, up)
+  ref = jax.grad(lambda g, u: jnp.sum(jax.nn.silu(g) * u * w), argnums=(0, 1))(gate, up)
+  for a, b in zip(ours, ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
