@@ -168,18 +168,29 @@ def loss_and_grads(params, ref_params, batch: Mapping[str, jax.Array], statics: 
     micro["rng"] = jax.vmap(lambda i: jax.random.fold_in(batch["rng"], i))(jnp.arange(M))
   zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
-  def body(carry, mb):
-    g_acc, l_acc, a_acc = carry
-    (loss, aux), g = grad_fn(params, ref_params, mb, normalizer, statics.graphdef, cfg)
-    g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-    a_acc = jax.tree.map(jnp.add, a_acc, aux)
-    return (g_acc, l_acc + loss, a_acc), None
-
   # The aux structure depends on the loss; get it abstractly, then start from zeros.
   first = jax.tree.map(lambda x: x[0], micro)
   aux_shape = jax.eval_shape(lambda: micro_batch_loss(
       params, ref_params, first, normalizer, statics.graphdef, cfg)[1])
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
+
+  def compute(mb):
+    (loss, aux), g = grad_fn(params, ref_params, mb, normalizer, statics.graphdef, cfg)
+    return loss, aux, jax.tree.map(lambda b: b.astype(jnp.float32), g)
+
+  def skip(mb):
+    del mb
+    return jnp.float32(0.0), zero_aux, zero_grads
+
+  def body(carry, mb):
+    g_acc, l_acc, a_acc = carry
+    # A micro-batch of padding rows (the batch was padded up to a bucket_rows count) has no
+    # loss tokens and contributes exactly zero: skip its forward and backward passes.
+    loss, aux, g = jax.lax.cond(jnp.any(mb["loss_mask_BxT"]), compute, skip, mb)
+    g_acc = jax.tree.map(jnp.add, g_acc, g)
+    a_acc = jax.tree.map(jnp.add, a_acc, aux)
+    return (g_acc, l_acc + loss, a_acc), None
+
   (grads, loss, aux), _ = jax.lax.scan(body, (zero_grads, jnp.float32(0.0), zero_aux), micro)
   return loss, grads, aux
 

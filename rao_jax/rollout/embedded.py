@@ -76,8 +76,10 @@ class EngineConfig:
   num_slots: int = 16
   max_len: int = 2048
   cache_lens: tuple[int, ...] = ()
-  min_cache_len: int = 128
-  chunk_sizes: tuple[int, ...] = (16, 64, 256)
+  # Few buckets by default: each (rows, chunk, cache length) shape is one compilation of the
+  # unrolled model (seconds each on CPU), and a short run pays for every shape it meets.
+  min_cache_len: int = 512
+  chunk_sizes: tuple[int, ...] = (32, 256)
   prefill_rows: tuple[int, ...] = (1, 4)
   decode_rows: tuple[int, ...] = ()
   decode_steps: int = 1
