@@ -65,7 +65,8 @@ class EngineConfig:
     min_cache_len: the smallest cache bucket when cache_lens is ().
     chunk_sizes: prompt-chunk buckets, ascending; a prompt is prefilled in chunks of these.
     prefill_rows: prefill batch buckets, ascending; at most max(prefill_rows) slots per call.
-    decode_rows: decode batch buckets, ascending, ending at num_slots; () = (num_slots,).
+    decode_rows: decode batch buckets, ascending, ending at num_slots; () = 1, 4, 16, ... up to
+      num_slots (a lone agent then decodes one row, not num_slots: ~3x faster on CPU).
       Decoding runs over the first R slots, R the smallest bucket covering every active slot.
     decode_steps: tokens generated per decode call (>1 trades scheduling latency for less
       per-call overhead).
@@ -108,7 +109,11 @@ class EngineConfig:
     ascending("chunk_sizes", self.chunk_sizes)
     ascending("prefill_rows", self.prefill_rows)
     if not self.decode_rows:
-      object.__setattr__(self, "decode_rows", (self.num_slots,))
+      ladder, r = [], 1
+      while r < self.num_slots:
+        ladder.append(r)
+        r *= 4
+      object.__setattr__(self, "decode_rows", tuple(ladder) + (self.num_slots,))
     rows = ascending("decode_rows", self.decode_rows)
     if rows[-1] != self.num_slots:
       raise ValueError(f"EngineConfig.decode_rows={rows!r}: the last bucket must equal "
