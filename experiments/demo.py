@@ -41,7 +41,7 @@ def main(argv):
 
   print("[3/3] Evaluation reloaded from the last checkpoint (recursive and single-agent)",
         flush=True)
-  ev = evaluation.evaluate_checkpoint(os.path.join(root, "rl"), num_tasks=2)
+  ev = evaluation.evaluate_checkpoint(os.path.join(root, "rl"), num_tasks=1)
   summary = {m: {d: round(v["success"], 3) for d, v in per.items()}
              for m, per in ev["modes"].items()}
   outputs = {

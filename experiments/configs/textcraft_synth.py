@@ -32,11 +32,12 @@ def get_config(arg: str | None = None):
 
 
 def _demo(c):
-  """`make demo`: SFT warm start, two RL steps, evaluation; ~10-15 minutes on a 2-core CPU.
+  """`make demo`: SFT warm start, two RL steps, evaluation; ~10 minutes on a 2-core CPU.
 
-  SmolLM2-135M trains at roughly 50-100 tokens/s on two CPU cores and an agent's trajectory is
-  1-2K tokens (system prompt, tool observations), so the demo shows every stage at the
-  smallest size that still runs each of them for real.
+  SmolLM2-135M trains at roughly 30 tokens/s on two CPU cores (an SFT step of one 3-node tree
+  takes ~135 s) and an agent's trajectory is 1-2K tokens (a 700-token system prompt, tool
+  observations), so the demo shows every stage at the smallest size that still runs each of
+  them for real.
   """
   base.smoke(c)
   # Recompute only attention in the backward pass: rows of 2K tokens fit in memory and the
@@ -48,7 +49,7 @@ def _demo(c):
   c.rl.group_size = 2
   c.rl.tasks_per_step = 1
   c.eval.every = 2
-  c.eval.num_tasks = 2
+  c.eval.num_tasks = 1                  # per difficulty; greedy trees of up to 1K tokens
   c.sft.num_demos = 16
   c.sft.steps = 2
   c.sft.trees_per_step = 1
