@@ -6,7 +6,9 @@ paths share the same parameters:
 
   * ``model(tokens_BxT, positions_BxT, segment_ids_BxT)``: full forward over packed rows;
   * ``model.forward_cached(tokens_BxT, positions_BxT, cache, write_index_B)``: prefill (T > 1)
-    and decode (T = 1) against a KV cache.
+    and decode (T = 1) against a KV cache. It is ``CachedForward`` over
+    ``model.inference_params()`` (the same weights, one dict per layer, layers unrolled): the
+    rollout engine calls that pure form directly and keeps only the per-layer copy.
 
 Einsum letters follow the package legend (B T S D F V H K h L); ``g`` is the number of query
 heads that share one key/value head (H = K * g).
