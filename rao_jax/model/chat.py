@@ -12,23 +12,22 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 
+# Pure functions of model.inference_params() (per-layer weights), as the rollout engine runs
+# them: slicing the stacked weights inside a per-token step would copy the model each token.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill(graphdef, state, cache, tokens_1xT):
-  model = nnx.merge(graphdef, state)
+def _prefill(fns, params, cache, tokens_1xT):
   T = tokens_1xT.shape[1]
-  hidden, cache = model.forward_cached(tokens_1xT, jnp.arange(T)[None], cache,
-                                       jnp.zeros((1,), jnp.int32))
-  return jnp.argmax(model.logits(hidden[:, -1]), axis=-1).astype(jnp.int32), cache
+  hidden, cache = fns(params, tokens_1xT, jnp.arange(T)[None], cache,
+                      jnp.zeros((1,), jnp.int32))
+  return jnp.argmax(fns.logits(params, hidden[:, -1]), axis=-1).astype(jnp.int32), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode(graphdef, state, cache, token_1, index):
-  model = nnx.merge(graphdef, state)
-  hidden, cache = model.forward_cached(token_1[:, None], index[None, None], cache, index[None])
-  return jnp.argmax(model.logits(hidden[:, -1]), axis=-1).astype(jnp.int32), cache
+def _decode(fns, params, cache, token_1, index):
+  hidden, cache = fns(params, token_1[:, None], index[None, None], cache, index[None])
+  return jnp.argmax(fns.logits(params, hidden[:, -1]), axis=-1).astype(jnp.int32), cache
 
 
 def generate_ids(model, prompt_ids: list[int], max_new_tokens: int,
@@ -36,14 +35,14 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int,
   """Greedy continuation of ``prompt_ids`` (stops after a stop id, which is included)."""
   T = len(prompt_ids)
   S = -(-(T + max_new_tokens) // 64) * 64   # bucketed cache length: few recompiles
-  graphdef, state = nnx.split(model)
+  fns, params = model.inference_fns(), model.inference_params()
   cache = model.init_cache(1, S)
-  token, cache = _prefill(graphdef, state, cache, jnp.asarray([prompt_ids], jnp.int32))
+  token, cache = _prefill(fns, params, cache, jnp.asarray([prompt_ids], jnp.int32))
   out = [int(token[0])]
   for i in range(max_new_tokens - 1):
     if out[-1] in stop_ids:
       break
-    token, cache = _decode(graphdef, state, cache, token, jnp.asarray(T + i, jnp.int32))
+    token, cache = _decode(fns, params, cache, token, jnp.asarray(T + i, jnp.int32))
     out.append(int(token[0]))
   return out
 

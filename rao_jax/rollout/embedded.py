@@ -208,8 +208,8 @@ def _sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P):
   return sampling.sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(fns, batch_axes, n_steps, params, cache, tokens_R, lengths_R, active_R,
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode(fns, n_steps, params, cache, tokens_R, lengths_R, active_R,
             temperature_R, top_p_R, top_k_R, seeds_R):
   """n_steps decode steps over the first R slots of the cache.
 
@@ -217,7 +217,7 @@ def _decode(fns, batch_axes, n_steps, params, cache, tokens_R, lengths_R, active
   their own length, which the next real write there overwrites and nothing reads.
   """
   _TRACE_COUNTS["decode"] += 1
-  del batch_axes   # fns uses the first R rows of a larger cache in place
+  # fns runs on the first R rows of the larger cache in place: no slice, no copy.
 
   def step(carry, _):
     cache, tok_R, len_R = carry
@@ -313,7 +313,7 @@ class EmbeddedEngine(Engine):
     self._graphdef, state = nnx.split(model)
     self._state_tree = jax.tree.structure(state)
     self._abstract_state = jax.eval_shape(lambda: state)
-    self._state = model.inference_params()
+    self._params = model.inference_params()
     fns = model.inference_fns()
     batch_ax, len_ax = _cache_axes(model)
     self._batch_axes = tuple(jax.tree.leaves(batch_ax))
@@ -327,7 +327,7 @@ class EmbeddedEngine(Engine):
     self._version = weight_version
     c = config
     self._prefill_fn = functools.partial(_prefill, fns, self._batch_axes)
-    self._decode_fn = functools.partial(_decode, fns, self._batch_axes, c.decode_steps)
+    self._decode_fn = functools.partial(_decode, fns, c.decode_steps)
     self._resize_fns = {n: functools.partial(_resize, self._len_axes, n) for n in c.cache_lens}
     self._cache_len = c.cache_lens[0]
     self._cache = model.init_cache(batch_size=c.num_slots, max_len=self._cache_len)
@@ -451,10 +451,10 @@ class EmbeddedEngine(Engine):
       wait: block until the scheduler has swapped them in.
       timeout: seconds to wait at most (None: no limit).
     """
-    state = self._as_state(params_or_model)
+    params = self._as_params(params_or_model)
     with self._cv:
       self._weights_applied.clear()
-      self._pending_weights = (state, version)
+      self._pending_weights = (params, version)
       self._ensure_thread()
       self._cv.notify()
     if wait and not self._weights_applied.wait(timeout):
@@ -484,7 +484,7 @@ class EmbeddedEngine(Engine):
       cache = self._init_cache(batch_size=c.num_slots, max_len=S)
       for R in c.decode_rows:
         cache, toks, _ = self._decode_fn(
-            self._state, cache, i32(R), i32(R), np.zeros(R, bool), np.zeros(R, np.float32),
+            self._params, cache, i32(R), i32(R), np.zeros(R, bool), np.zeros(R, np.float32),
             np.ones(R, np.float32), -np.ones(R, np.int32), np.zeros(R, np.uint32))
         if verbose:
           log.info("warmup decode S=%d R=%d", S, R)
@@ -493,7 +493,7 @@ class EmbeddedEngine(Engine):
           if C > S and C != c.chunk_sizes[0]:
             continue   # the scheduler grows the cache before pairing it with a larger chunk
           cache, logits = self._prefill_fn(
-              self._state, cache, i32(P), i32((P, C)), i32(P), np.ones(P, np.int32))
+              self._params, cache, i32(P), i32((P, C)), i32(P), np.ones(P, np.int32))
           if S == lens[0] and C == c.chunk_sizes[0]:
             _sample(logits, np.zeros(P, np.float32), np.ones(P, np.float32),
                     -np.ones(P, np.int32), np.zeros(P, np.uint32), i32(P))
@@ -549,7 +549,7 @@ class EmbeddedEngine(Engine):
       self._thread = threading.Thread(target=self._run, name="rao-embedded-engine", daemon=True)
       self._thread.start()
 
-  def _as_state(self, x):
+  def _as_params(self, x):
     """New weights (Module, nnx.State or pure dict) -> inference params in the engine's dtypes."""
     if isinstance(x, nnx.Module):
       _, state = nnx.split(x)
@@ -590,7 +590,7 @@ class EmbeddedEngine(Engine):
           except Exception as e:   # noqa: BLE001 - handed to the caller
             fut.set_exception(e)
         if weights is not None:
-          self._state, self._version = weights
+          self._params, self._version = weights
           for s in self._slots:   # KV computed by old weights is stale for later turns
             if s.req is None:
               self._free_slot(s)
@@ -770,7 +770,7 @@ class EmbeddedEngine(Engine):
       seeds[i] = r.seed
     if P > len(group):   # identical duplicates: the duplicate scatter then writes equal values
       rows[len(group):], tokens[len(group):] = rows[len(group) - 1], tokens[len(group) - 1]
-    self._cache, logits_PxV = self._prefill_fn(self._state, self._cache, rows, tokens, start,
+    self._cache, logits_PxV = self._prefill_fn(self._params, self._cache, rows, tokens, start,
                                                n_valid)
     tok_P, logp_P = _sample(logits_PxV, temp, top_p, top_k, seeds, start + n_valid)
     tok_P, logp_P = np.asarray(tok_P), np.asarray(logp_P)
@@ -817,7 +817,7 @@ class EmbeddedEngine(Engine):
       temp[i], top_p[i], top_k[i], seeds[i] = (r.params.temperature, r.params.top_p,
                                                r.params.top_k, r.seed)
     self._cache, toks_RxN, logps_RxN = self._decode_fn(
-        self._state, self._cache, tokens, lengths, active, temp, top_p, top_k, seeds)
+        self._params, self._cache, tokens, lengths, active, temp, top_p, top_k, seeds)
     toks_RxN, logps_RxN = np.asarray(toks_RxN), np.asarray(logps_RxN)
     self.stats["decode_calls"] += 1
     now = time.monotonic()
