@@ -85,6 +85,9 @@ def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=6
                   for _ in range(agents)]
   engine = EmbeddedEngine(model, num_slots=agents, max_len=1024, cache_lens=(256, 512, 1024),
                           chunk_sizes=(16, 64, 256), prefill_rows=(1, 8), decode_steps=1)
+  # Every shape up front: which (rows, chunk, cache length) combinations a run meets depends on
+  # thread timing, so a compile pass alone can leave one to compile inside a timed run.
+  engine.warmup()
   params = SamplingParams(temperature=0.0, max_new_tokens=NEW)
 
   async def agent(i):

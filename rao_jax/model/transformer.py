@@ -333,14 +333,19 @@ class CachedForward:
   """
   cfg: ModelConfig
 
-  def __call__(self, params, tokens_BxT, positions_BxT, cache: Cache, write_index_B):
-    """Writes the T new tokens' keys/values into slots [w_b, w_b + T) of row b (w =
-    write_index_B) and lets query i of row b attend to slots j <= w_b + i. Rows are
-    independent (continuous batching). Slots past S are dropped (the caller keeps
-    w_b + T <= S); tokens past a row's real length are padding whose K/V land beyond the
-    row's length, are overwritten by the next write and never read. A cache with more rows
-    than B: rows [0, B) are used, the rest untouched (the engine decodes its first R slots
-    without slicing the cache). Jittable with the cache donated; S is a static shape.
+  def __call__(self, params, tokens_BxT, positions_BxT, cache: Cache, write_index_B,
+               rows_B=None):
+    """Writes the T new tokens' keys/values into slots [w_b, w_b + T) of cache row r_b (w =
+    write_index_B, r = rows_B) and lets query i of input row b attend to slots j <= w_b + i of
+    that cache row. Rows are independent (continuous batching). Slots past S are dropped (the
+    caller keeps w_b + T <= S); tokens past a row's real length are padding whose K/V land
+    beyond the row's length, are overwritten by the next write and never read.
+
+    rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way: no
+    gather). Given rows_B (the engine's prefill of scattered slots), only the new keys and
+    values are scattered into the full cache and each layer gathers its B rows to attend;
+    repeated rows must carry identical inputs. Jittable with the cache donated, so the writes
+    happen in place; S is a static shape.
 
     Returns:
       (final-normed hidden [B, T, D], the updated cache).
@@ -352,7 +357,9 @@ class CachedForward:
     start_B = jnp.asarray(write_index_B, jnp.int32)
     slots_BxT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     visible_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slots_BxT[:, :, None]
-    rows_BxT = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    gather = rows_B is not None
+    rows_B = jnp.asarray(rows_B, jnp.int32) if gather else jnp.arange(B, dtype=jnp.int32)
+    rows_BxT = jnp.broadcast_to(rows_B[:, None], (B, T))
     cos, sin = rope_cos_sin(cfg, positions_BxT)
     x = jnp.take(params["embed"], tokens_BxT, axis=0).astype(dt)
     ks, vs = list(cache["k"]), list(cache["v"])
@@ -361,7 +368,12 @@ class CachedForward:
       # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
       ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
       vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
-      kc, vc = (ks[i], vs[i]) if ks[i].shape[0] == B else (ks[i][:B], vs[i][:B])
+      if gather:
+        kc, vc = jnp.take(ks[i], rows_B, axis=0), jnp.take(vs[i], rows_B, axis=0)
+      elif ks[i].shape[0] == B:
+        kc, vc = ks[i], vs[i]
+      else:
+        kc, vc = ks[i][:B], vs[i][:B]
       x = _post_attention(cfg, p, x, _attention(q, kc, vc, visible_BxTxS, dt))
     return rms_norm(x, params["final_norm"], cfg.rms_eps), {"k": ks, "v": vs}
 

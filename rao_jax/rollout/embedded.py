@@ -171,33 +171,22 @@ def _axes_tree(cache, axes: tuple[int, ...]):
   return jax.tree.unflatten(jax.tree.structure(cache), axes)
 
 
-def _take_rows(cache, rows, batch_ax):
-  return jax.tree.map(lambda x, ax: jnp.take(x, rows, axis=ax), cache, batch_ax)
-
-
-def _put_rows(cache, sub, rows, batch_ax):
-  # Index the batch axis in place (no moveaxis: a transpose of the whole cache is a copy).
-  return jax.tree.map(lambda x, s, ax: x.at[(slice(None),) * ax + (rows,)].set(s),
-                      cache, sub, batch_ax)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill(fns, batch_axes, params, cache, rows_P, tokens_PxC, start_P, n_valid_P):
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill(fns, params, cache, rows_P, tokens_PxC, start_P, n_valid_P):
   """Prefills one chunk for P slots; returns the cache and each row's last-token logits.
 
   Sampling is a separate program (``_sample``): it then compiles once per P, not once per
   (P, chunk, cache length).
 
-  Padding rows repeat row 0 exactly (same slot, tokens, start), so the duplicate scatter writes
-  identical values and needs no scratch slot.
+  Padding rows repeat a real row exactly (same slot, tokens, start), so the duplicate scatter
+  writes identical values and needs no scratch slot. Only the chunk's keys and values are
+  written into the (donated) cache; gathering whole rows out and scattering them back cost
+  more than the chunk's compute at long cache lengths.
   """
   _TRACE_COUNTS["prefill"] += 1
-  batch_ax = _axes_tree(cache, batch_axes)
-  sub = _take_rows(cache, rows_P, batch_ax)
   C = tokens_PxC.shape[1]
   positions_PxC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-  hidden_PxCxD, sub = fns(params, tokens_PxC, positions_PxC, sub, start_P)
-  cache = _put_rows(cache, sub, rows_P, batch_ax)
+  hidden_PxCxD, cache = fns(params, tokens_PxC, positions_PxC, cache, start_P, rows_P)
   last_PxD = jnp.take_along_axis(hidden_PxCxD, (n_valid_P - 1)[:, None, None], axis=1)[:, 0]
   return cache, fns.logits(params, last_PxD[:, None])[:, 0]
 
@@ -315,8 +304,7 @@ class EmbeddedEngine(Engine):
     self._abstract_state = jax.eval_shape(lambda: state)
     self._params = model.inference_params()
     fns = model.inference_fns()
-    batch_ax, len_ax = _cache_axes(model)
-    self._batch_axes = tuple(jax.tree.leaves(batch_ax))
+    _, len_ax = _cache_axes(model)    # also checks every leaf has a batch axis
     self._len_axes = tuple(jax.tree.leaves(len_ax))
     probe = jax.eval_shape(lambda: model.logits(
         model.forward_cached(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
@@ -326,7 +314,7 @@ class EmbeddedEngine(Engine):
     self._init_cache = model.init_cache
     self._version = weight_version
     c = config
-    self._prefill_fn = functools.partial(_prefill, fns, self._batch_axes)
+    self._prefill_fn = functools.partial(_prefill, fns)
     self._decode_fn = functools.partial(_decode, fns, c.decode_steps)
     self._resize_fns = {n: functools.partial(_resize, self._len_axes, n) for n in c.cache_lens}
     self._cache_len = c.cache_lens[0]
