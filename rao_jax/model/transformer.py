@@ -152,29 +152,42 @@ def _qkv(cfg: ModelConfig, p, x_BxTxD, cos, sin):
 
 
 @jax.custom_vjp
-def _swiglu(gate, up):
-  """silu(gate) * up, with a hand-written backward pass.
+def _mlp(y_BxTxD, wg_DxF, wu_DxF, wd_FxD):
+  """SwiGLU MLP, down(silu(y gate) * (y up)), with a hand-written backward pass.
 
-  Autodiff's backward recomputed the sigmoid in several fusions, each fused into the strided
-  transpose that feeds a weight-gradient matmul; one sigmoid and two products here measured
-  about 5% faster per training step on CPU (benchmarks/bench_model.py).
+  Autodiff's backward computed each weight gradient from a transposed copy of the
+  [B*T, F] activation gradient, fused with its elementwise producer into a strided transpose
+  that ran at a few hundred MB/s on CPU (a tenth of the step at 4 x 512). Here each weight
+  gradient is one explicit [B*T, .]^T x [B*T, .] product and the SwiGLU derivative is one
+  sigmoid: the 4 x 512 SmolLM2 step went from 23 s to 20 s (benchmarks/bench_model.py).
   """
-  return jax.nn.silu(gate) * up
+  return _mlp_fwd(y_BxTxD, wg_DxF, wu_DxF, wd_FxD)[0]
 
 
-def _swiglu_fwd(gate, up):
-  return _swiglu(gate, up), (gate, up)
+def _mlp_fwd(y, wg, wu, wd):
+  g = jnp.einsum("BTD,DF->BTF", y, wg)
+  u = jnp.einsum("BTD,DF->BTF", y, wu)
+  return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, wd), (y, g, u, wg, wu, wd)
 
 
-def _swiglu_bwd(res, d_out):
-  gate, up = res
-  sig = jax.nn.sigmoid(gate)
-  d_up = d_out * (gate * sig)
-  d_gate = d_out * up * (sig * (1 + gate * (1 - sig)))
-  return d_gate, d_up
+def _mlp_bwd(res, d_out_BxTxD):
+  y, g, u, wg, wu, wd = res
+  B, T, D = y.shape
+  F = g.shape[-1]
+  sig = jax.nn.sigmoid(g)
+  silu = g * sig
+  d_a = jnp.einsum("BTD,FD->BTF", d_out_BxTxD, wd)
+  d_u = d_a * silu
+  d_g = d_a * u * (sig * (1 + g * (1 - sig)))
+  d_y = jnp.einsum("BTF,DF->BTD", d_g, wg) + jnp.einsum("BTF,DF->BTD", d_u, wu)
+  y_NxD = y.reshape(B * T, D)
+  d_wd = jnp.einsum("NF,ND->FD", (silu * u).reshape(B * T, F), d_out_BxTxD.reshape(B * T, D))
+  d_wg = jnp.einsum("ND,NF->DF", y_NxD, d_g.reshape(B * T, F))
+  d_wu = jnp.einsum("ND,NF->DF", y_NxD, d_u.reshape(B * T, F))
+  return d_y, d_wg, d_wu, d_wd
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
@@ -184,17 +197,19 @@ def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
     o = o + p["bo"].astype(dt)
   x = x_BxTxD + o
   y = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-  gate = jnp.einsum("BTD,DF->BTF", y, p["w_gate"].astype(dt))
-  up = jnp.einsum("BTD,DF->BTF", y, p["w_up"].astype(dt))
-  return x + jnp.einsum("BTF,FD->BTD", _swiglu(gate, up), p["w_down"].astype(dt))
+  return x + _mlp(y, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt))
 
 
 def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, mask_BxTxT):
   q, k, v = _qkv(cfg, p, x_BxTxD, cos, sin)
   # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
   # probabilities then never need a transpose, forward or backward.
-  attn = _attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
-                    mask_BxTxT, cfg.jnp_dtype)
+  # Rematerialised: the backward pass recomputes the [B, K, g*T, T] scores and probabilities
+  # from q, k, v instead of storing them. Stored, they filled a zeroed [L, B, K, g*T, T]
+  # buffer (1.1 GB at 4 x 512 on SmolLM2) that was written and read back once per layer,
+  # which cost more than the recompute (4 x 512 step: 27.7 s -> 23.2 s on CPU).
+  attn = _attention_remat(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
+                          mask_BxTxT, cfg.jnp_dtype)
   return _post_attention(cfg, p, x_BxTxD, attn)
 
 
@@ -408,6 +423,9 @@ def _attention(q_BxTxHxh, k_BxKxhxS, v_BxKxSxh, visible_BxTxS, dtype):
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jax.lax.dot_general(probs, v_BxKxSxh, (((3,), (2,)), batch))         # [B, K, Tg, h]
   return out.reshape(B, K, T, g, h).transpose(0, 2, 1, 3, 4).reshape(B, T, H, h)
+
+
+_attention_remat = jax.checkpoint(_attention, static_argnums=(4,))
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------
