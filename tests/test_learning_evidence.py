@@ -1,0 +1,44 @@
+"""The learning-evidence script's statistics, plot and configs (the runs themselves are long)."""
+import os
+
+import numpy as np
+import pytest
+
+from experiments import learning_evidence as le
+
+
+def test_paired_difference_and_interval():
+  before = {f"t{i}": 0.0 for i in range(100)}
+  after = {f"t{i}": 1.0 if i < 30 else 0.0 for i in range(100)}
+  r = le._paired(before, after)
+  assert r["n"] == 100
+  assert r["delta"] == pytest.approx(0.30)
+  lo, hi = r["ci95"]
+  half = 1.96 * np.std([1.0] * 30 + [0.0] * 70, ddof=1) / 10
+  assert (lo, hi) == pytest.approx((0.30 - half, 0.30 + half))
+  assert r["excludes_zero"]
+  # Gains on some tasks and equal losses on others: no evidence either way.
+  mixed = {f"t{i}": (1.0 if i < 10 else 0.0) for i in range(100)}
+  lost = {f"t{i}": (1.0 if 10 <= i < 20 else 0.0) for i in range(100)}
+  r = le._paired(mixed, lost)
+  assert r["delta"] == pytest.approx(0.0) and not r["excludes_zero"]
+
+
+def test_plot_writes_png(tmp_path):
+  result = {"modes": {"recursive": {"medium": {"before": 0.1, "after": 0.3}},
+                      "single": {"medium": {"before": 0.2, "after": 0.25}}}}
+  path = str(tmp_path / "evidence.png")
+  le._plot(result, path)
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert os.path.getsize(path) > 1000
+
+
+@pytest.mark.parametrize("scale", sorted(le._SCALES))
+@pytest.mark.parametrize("mode", ["recursive", "single"])
+def test_configs_build_for_every_scale(scale, mode):
+  s = le._SCALES[scale]
+  c = le._config(mode, s, "medium")
+  assert c.agent.mode == mode and c.env.train_difficulty == "medium"
+  assert c.eval.num_tasks == s["eval_tasks"] and c.total_steps == s["rl_steps"]
+  assert c.agent.context_window == s["ctx"] == c.learner.row_len
