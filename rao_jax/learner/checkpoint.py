@@ -52,8 +52,12 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=use_async,
         cleanup_tmp_directories=True)
-    self._mngr = ocp.CheckpointManager(os.path.abspath(self.directory), options=options,
-                                       item_names=("state", "meta"))
+    # Handlers named up front: a manager opened only to restore (a new process) can then read
+    # item metadata without Orbax warning that it does not know how to restore each item.
+    self._mngr = ocp.CheckpointManager(
+        os.path.abspath(self.directory), options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, state, meta: dict) -> bool:
     """Starts saving `state` and `meta` as `step` (waits for a previous save to finish first)."""
