@@ -149,7 +149,7 @@ def main():
   times = {}
   for sessions in (() if args.no_sessions else (False, True)):
     run, eng = multi_turn(model, sessions)
-    asyncio.run(run())       # compile pass (and identical work)
+    asyncio.run(run())       # warm-up pass: the shapes are compiled, this warms the rest
     ts = [asyncio.run(run()) for _ in range(max(1, repeats - 1))]
     times[sessions] = statistics.median(ts)
     say(f"multi-turn sessions={sessions}: {times[sessions]:.1f} s "

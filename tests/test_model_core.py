@@ -126,6 +126,34 @@ def test_cached_decode_equals_full_forward(variant):
     np.testing.assert_allclose(jnp.stack(got[b][:T]), full[b], atol=1e-4, rtol=0)
 
 
+def test_cached_forward_into_scattered_rows():
+  """rows_B (the engine's prefill of scattered slots): each input row writes and reads only
+  its own cache row; other rows stay untouched; a repeated padding row is harmless."""
+  model = _model("llama")
+  T, S, R = 6, 16, 5
+  tokens = _tokens(2, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+  full = _forward(model, tokens, pos, jnp.ones((2, T), jnp.int32))
+  fns, params = model.inference_fns(), model.inference_params()
+  cache = model.init_cache(R, S)
+  sentinel = jax.tree.map(lambda x: x.at[1].set(7.0), cache)   # row 1 holds someone's session
+  rows = jnp.asarray([3, 0, 0])                                 # the last row is padding
+  tok3 = jnp.concatenate([tokens, tokens[1:]], 0)
+  h, out = jax.jit(fns)(params, tok3, jnp.concatenate([pos, pos[1:]], 0), sentinel,
+                        jnp.zeros(3, jnp.int32), rows)
+  np.testing.assert_allclose(h[:2], full, atol=1e-4, rtol=0)
+  for new, old in zip(jax.tree.leaves(out), jax.tree.leaves(sentinel)):
+    for r in (1, 2, 4):
+      np.testing.assert_array_equal(new[r], old[r])
+  # Decoding the next position of row 3 from the written cache continues the same sequence.
+  nxt = 1234
+  longer = jnp.concatenate([tokens[:1], jnp.asarray([[nxt]])], 1)
+  ref = _forward(model, longer, jnp.arange(T + 1)[None], jnp.ones((1, T + 1), jnp.int32))
+  h1, _ = jax.jit(fns)(params, jnp.asarray([[nxt]]), jnp.asarray([[T]]), out,
+                       jnp.asarray([T]), jnp.asarray([3]))
+  np.testing.assert_allclose(h1[0, 0], ref[0, T], atol=1e-4, rtol=0)
+
+
 def test_packed_rows_equal_separate_rows():
   model = _model("qwen3")
   lengths = [5, 3, 6]
