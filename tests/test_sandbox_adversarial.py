@@ -18,7 +18,9 @@ from rao_jax.sandbox_host import (SandboxConfig, SandboxPool, bwrap_available,
                                   missing_bwrap_message)
 from rao_jax.sandbox_host import jail
 
-pytestmark = pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message())
+# A hang here (a host wait that never ends) must fail in minutes, not at the suite's 900 s.
+pytestmark = [pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message()),
+              pytest.mark.timeout(180)]
 
 CFG = SandboxConfig(isolation="bwrap", cell_timeout_s=10.0, max_output_chars=4000)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(rao_jax.__file__)))

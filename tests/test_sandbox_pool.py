@@ -12,6 +12,8 @@ from rao_jax.sandbox_host import (SandboxConfig, SandboxPool, bwrap_available,
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message())
 
 CFG = SandboxConfig(isolation="bwrap", cell_timeout_s=60.0)
+# A hang here (a host wait that never ends) must fail in minutes, not at the suite's 900 s.
+pytestmark = pytest.mark.timeout(300)
 
 
 @needs_bwrap
@@ -192,3 +194,33 @@ def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
       assert res.output == f"{total}\n", (k, i, res.output)
   assert tool_calls["n"] == n_agents * (n_cells - 1 - 3)
   assert elapsed < 120
+
+
+def test_kill_returns_when_a_leftover_process_holds_the_stderr_pipe(caplog):
+  # Python 3.11's Process.wait() also waits for every pipe to close; a descendant that
+  # outlives the sandbox's own process and keeps its stderr once hung kill(), and with it the
+  # pool and the run (CI). The direct child here leaves such a descendant behind in its own
+  # session, out of reach of the kill.
+  from rao_jax.sandbox_host.process import ReplProcess
+
+  async def main():
+    rp = ReplProcess(SandboxConfig(isolation="process"))
+    rp.proc = await asyncio.create_subprocess_exec(
+        # The descendant reports its pid only once it is in its own session.
+        "sh", "-c", "setsid sh -c 'echo $$ >&2; exec sleep 60' & exec sleep 60",
+        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    rp.pid = rp.proc.pid
+    leftover = int(await asyncio.wait_for(rp.proc.stderr.readline(), 10))
+    rp._tasks = [asyncio.create_task(rp._read_stderr())]
+    t0 = time.perf_counter()
+    try:
+      await asyncio.wait_for(rp.kill(), 30)
+      return time.perf_counter() - t0, rp.proc.returncode, leftover
+    finally:
+      os.kill(leftover, 9)
+
+  with caplog.at_level("WARNING", logger="rao_jax.sandbox_host.process"):
+    took, code, leftover = asyncio.run(main())
+  assert took < 8.0, took
+  assert code == -9
+  assert f"still held open by pid(s) [{leftover}]" in caplog.text, caplog.text

@@ -7,7 +7,9 @@ import pytest
 from rao_jax.sandbox_host import (SandboxConfig, Sandbox, bwrap_available,
                                   missing_bwrap_message)
 
-pytestmark = pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message())
+# A hang here (a host wait that never ends) must fail in minutes, not at the suite's 900 s.
+pytestmark = [pytest.mark.skipif(not bwrap_available(), reason=missing_bwrap_message()),
+              pytest.mark.timeout(180)]
 
 CFG = SandboxConfig(isolation="bwrap", cell_timeout_s=20.0, max_output_chars=2000)
 

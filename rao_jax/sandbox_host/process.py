@@ -25,6 +25,10 @@ from rao_jax.sandbox_host.config import SandboxConfig
 log = logging.getLogger(__name__)
 
 _STDERR_KEEP = 8192
+# After SIGKILL: how long the exit may take before the stderr pipe is closed from our side,
+# then how long before kill() gives up on the process (only a process stuck in the kernel).
+_EXIT_GRACE_S = 2.0
+_EXIT_WAIT_S = 10.0
 _warned_process_mode = False
 
 
@@ -157,9 +161,8 @@ class ReplProcess:
         os.killpg(proc.pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
-      await proc.wait()
-    elif proc is not None:
-      await proc.wait()
+    if proc is not None:
+      await self._wait_exit(proc)
     if self._writer is not None:
       self._writer.close()
     for t in self._tool_tasks.values():
@@ -180,6 +183,33 @@ class ReplProcess:
       if transport is not None:
         transport.close()
     self._remove_tmpdir()
+
+  async def _wait_exit(self, proc: asyncio.subprocess.Process) -> None:
+    """Waits (bounded) for the killed process, without trusting its stderr pipe to close.
+
+    Python 3.11's Process.wait() returns only once the process has exited AND every pipe of it
+    is closed. Any process left holding the stderr pipe's write end (a descendant that outlived
+    bwrap) would make kill() wait forever, and with it the pool and the whole run (seen in CI).
+    """
+    waited = asyncio.ensure_future(proc.wait())
+    done, _ = await asyncio.wait([waited], timeout=_EXIT_GRACE_S)
+    if done:
+      return
+    holders = _pipe_holders(proc)
+    if proc.returncode is not None:
+      log.warning("sandbox %d exited (status %s) but its stderr pipe is still held open by "
+                  "pid(s) %s; closing the host's end", self.pid, proc.returncode,
+                  holders or "unknown")
+    # Closing the transport closes the host's pipe ends (the process's exit then completes
+    # the wait) and sends SIGKILL once more if the process is still there.
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+      transport.close()
+    done, _ = await asyncio.wait([waited], timeout=_EXIT_WAIT_S)
+    if not done:
+      waited.cancel()
+      log.error("sandbox %d did not exit within %g s of SIGKILL (state %s); giving up on it",
+                self.pid, _EXIT_GRACE_S + _EXIT_WAIT_S, _proc_state(self.pid))
 
   def _remove_tmpdir(self):
     if self._tmpdir:
@@ -310,7 +340,7 @@ class ReplProcess:
       try:
         code = await asyncio.wait_for(proc.wait(), 2.0)
       except asyncio.TimeoutError:
-        code = None
+        code = proc.returncode  # exited, but a leftover may hold the stderr pipe (wait())
     if code is None:
       reason = "the sandbox closed its protocol channel"
     elif code < 0 or (self.cfg.isolation == "bwrap" and 128 < code < 128 + 65):
@@ -441,3 +471,34 @@ def _warn_process_mode() -> None:
         "sandbox isolation='process' (asked for by the user): agents' code runs as a plain "
         "child process with rlimits and seccomp only, WITHOUT bubblewrap's filesystem, "
         "network and pid namespaces; use isolation='bwrap' wherever bubblewrap is installed")
+
+
+def _pipe_holders(proc: asyncio.subprocess.Process) -> list[int]:
+  """Pids that hold the process's stderr pipe open (for the log; /proc scan, slow path only)."""
+  try:
+    pipe = proc._transport.get_pipe_transport(2).get_extra_info("pipe")  # pylint: disable=protected-access
+    ino = os.fstat(pipe.fileno()).st_ino
+  except (AttributeError, OSError, ValueError):
+    return []
+  target = f"pipe:[{ino}]"
+  mine = os.getpid()
+  pids = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit() or int(entry) == mine:
+      continue
+    try:
+      fds = os.listdir(f"/proc/{entry}/fd")
+      if any(os.readlink(f"/proc/{entry}/fd/{fd}") == target for fd in fds):
+        pids.append(int(entry))
+    except OSError:
+      continue
+  return pids
+
+
+def _proc_state(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")),
+                  "unknown")
+  except OSError:
+    return "gone"
