@@ -215,12 +215,55 @@ def test_kill_returns_when_a_leftover_process_holds_the_stderr_pipe(caplog):
     t0 = time.perf_counter()
     try:
       await asyncio.wait_for(rp.kill(), 30)
-      return time.perf_counter() - t0, rp.proc.returncode, leftover
+      await asyncio.sleep(0.2)
+      # Killed by the host (a zombie until init reaps it, or gone).
+      with open(f"/proc/{leftover}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+      return time.perf_counter() - t0, rp.proc.returncode, leftover, state
+    except FileNotFoundError:
+      return time.perf_counter() - t0, rp.proc.returncode, leftover, "gone"
     finally:
-      os.kill(leftover, 9)
+      try:
+        os.kill(leftover, 9)
+      except ProcessLookupError:
+        pass
 
   with caplog.at_level("WARNING", logger="rao_jax.sandbox_host.process"):
-    took, code, leftover = asyncio.run(main())
+    took, code, leftover, state = asyncio.run(main())
   assert took < 8.0, took
   assert code == -9
-  assert f"still held open by pid(s) [{leftover}]" in caplog.text, caplog.text
+  assert f"still held open by pid(s) [{leftover}]; killing them" in caplog.text, caplog.text
+  assert state in ("Z", "gone"), state
+
+
+@needs_bwrap
+def test_a_spawn_cancelled_at_any_point_leaves_no_process_behind():
+  # Pools cancel their background spawns on close(); a cancellation landing between the
+  # process start and its ready message once left the process running (and its transport to
+  # the garbage collector). Sweep the cancellation over the whole spawn.
+  from rao_jax.sandbox_host.process import ReplProcess
+
+  async def main():
+    procs = []
+    # Fine steps over the process start (where Python 3.11's own cancellation path hangs),
+    # coarser ones over the wait for the ready message; twice, as the timing is not exact.
+    sweep = [i * 0.0003 for i in range(30)] + [i * 0.002 for i in range(30)]
+    for delay_s in sweep * 2:
+      rp = ReplProcess(CFG)
+      task = asyncio.create_task(rp.spawn())
+      await asyncio.sleep(delay_s)
+      task.cancel()
+      try:
+        await task
+      except asyncio.CancelledError:
+        pass
+      procs.append(rp)
+      if rp.info:      # spawn finished before the cancel: the caller owns it, so kill it
+        await rp.kill()
+    return procs
+
+  procs = asyncio.run(main())
+  started = [rp for rp in procs if rp.proc is not None]
+  assert len(started) >= 40, len(started)    # the sweep did reach past the process start
+  assert all(rp.proc.returncode is not None for rp in started)
+  assert not [rp.pid for rp in started if os.path.exists(f"/proc/{rp.pid}")]

@@ -113,10 +113,24 @@ class ReplProcess:
                "MALLOC_ARENA_MAX": "2"}
         cwd = self._tmpdir
       pass_fds = (fd,) if filter_fd is None else (fd, filter_fd)
-      self.proc = await asyncio.create_subprocess_exec(
+      start = asyncio.ensure_future(asyncio.create_subprocess_exec(
           *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
           stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds, env=env, cwd=cwd,
-          start_new_session=True)
+          start_new_session=True))
+      try:
+        self.proc = await asyncio.shield(start)
+      except asyncio.CancelledError:
+        # Python 3.11: a cancellation landing while asyncio connects the new process's pipes
+        # leaves its transport waiting forever for a pipe that never connected (a pool
+        # closing mid-spawn hung CI). Let the start finish, then kill what it started.
+        try:
+          self.proc = await start
+        except Exception:  # pylint: disable=broad-except
+          self.proc = None
+        if self.proc is not None:
+          self.pid = self.proc.pid
+          await self.kill()
+        raise
     except BaseException:
       host_sock.close()
       child_sock.close()
@@ -127,12 +141,14 @@ class ReplProcess:
         os.close(filter_fd)
     child_sock.close()
     self.pid = self.proc.pid
-    self._reader, self._writer = await asyncio.open_unix_connection(
-        sock=host_sock, limit=1 << 20)
-    self._ready = loop.create_future()
-    self._tasks = [asyncio.create_task(self._read_loop()),
-                   asyncio.create_task(self._read_stderr())]
     try:
+      # Inside the try: a cancellation here (a pool closing mid-spawn) must kill the process
+      # too, not leave it running with an unclosed transport.
+      self._reader, self._writer = await asyncio.open_unix_connection(
+          sock=host_sock, limit=1 << 20)
+      self._ready = loop.create_future()
+      self._tasks = [asyncio.create_task(self._read_loop()),
+                     asyncio.create_task(self._read_stderr())]
       self.info = await asyncio.wait_for(asyncio.shield(self._ready), cfg.spawn_timeout_s)
     except (asyncio.TimeoutError, SandboxDied) as e:
       await self.kill()
@@ -144,6 +160,8 @@ class ReplProcess:
           + (f"; its stderr says: {err}" if err else "")) from None
     except BaseException:
       # Cancelled (a pool closing mid-spawn): never leave the process behind.
+      if self._writer is None:
+        host_sock.close()
       await asyncio.shield(self.kill())
       raise
     self.spawn_s = time.perf_counter() - t0
@@ -197,9 +215,16 @@ class ReplProcess:
       return
     holders = _pipe_holders(proc)
     if proc.returncode is not None:
+      # Only the sandbox's own descendants can hold that pipe: one that escaped the process
+      # group and outlived the sandbox must not survive it.
       log.warning("sandbox %d exited (status %s) but its stderr pipe is still held open by "
-                  "pid(s) %s; closing the host's end", self.pid, proc.returncode,
-                  holders or "unknown")
+                  "pid(s) %s; killing them and closing the host's end", self.pid,
+                  proc.returncode, holders or "unknown")
+      for pid in holders:
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+          pass
     # Closing the transport closes the host's pipe ends (the process's exit then completes
     # the wait) and sends SIGKILL once more if the process is still there.
     transport = getattr(proc, "_transport", None)
