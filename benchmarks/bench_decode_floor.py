@@ -1,0 +1,162 @@
+"""Where the embedded engine's batch-32 decode step goes, and the floor under it on this CPU.
+
+    python benchmarks/bench_decode_floor.py
+
+bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode step of
+1000 * 32 / (2 * torch tok/s) ms. This measures, on SmolLM2-135M float32:
+
+1. the engine's jitted decode step over 32 rows at cache lengths 64, 384 and 768 (the step
+   minus its attention is the intercept; attention over 384 slots is the slope times 384);
+2. the step's weight products alone, as a chain over the 30 layers at M = 32 rows (q/k/v/o, gate/up,
+   down), in one jitted XLA program, in PyTorch and in numpy's BLAS: what any engine on this
+   machine pays per step for the weights (plus the LM head, timed the same way);
+3. the decode attention alone (all layers, 32 rows, 384 slots) in XLA, as memory bandwidth.
+
+Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROWS = 32
+
+
+def say(*a):
+  print(*a, file=sys.stderr, flush=True)
+
+
+def median_s(fn, n):
+  fn()
+  ts = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def decode_steps(model):
+  import jax
+  import jax.numpy as jnp
+  from rao_jax.rollout import embedded
+  params, fns = model.inference_params(), model.inference_fns()
+  step = functools.partial(embedded._decode, fns, 1)  # pylint: disable=protected-access
+  out = {}
+  for S in (64, 384, 768):
+    state = {"cache": model.init_cache(batch_size=ROWS, max_len=S)}
+    R = ROWS
+    args = (jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
+            jnp.ones((R,), bool), jnp.zeros((R,), jnp.float32), jnp.ones((R,), jnp.float32),
+            jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), jnp.int32))
+
+    def run():
+      state["cache"], toks, _ = step(params, state["cache"], *args)
+      jax.block_until_ready(toks)
+    out[S] = median_s(run, 12) * 1000
+    say(f"decode step, {ROWS} rows, cache {S}: {out[S]:.1f} ms")
+  return out
+
+
+def weight_products(cfg):
+  """ms per step for the layers' weight products at M = ROWS: (xla, torch, numpy), and the
+  LM head's (xla, torch, numpy)."""
+  n_layers = cfg.n_layers
+  import jax
+  import jax.numpy as jnp
+  import torch
+  D, F, H, K, h = cfg.d_model, cfg.mlp_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  rng = np.random.default_rng(0)
+  # (in, out) of each product in a layer: q, k, v, o, gate, up, down.
+  shapes = [(D, H * h), (D, K * h), (D, K * h), (H * h, D), (D, F), (D, F), (F, D)]
+  ws = [[(rng.standard_normal(s, np.float32) * 0.02) for s in shapes] for _ in range(n_layers)]
+  xs = {n: rng.standard_normal((ROWS, n), np.float32) for n in {s[0] for s in shapes}}
+
+  def chain(mm, ws, xs):
+    acc = 0.0
+    for layer in ws:
+      for w in layer:
+        acc = acc + mm(xs[w.shape[0]], w)[0, 0]   # every product's result is used
+    return acc
+
+  jws = [[jnp.asarray(w) for w in layer] for layer in ws]
+  jxs = {n: jnp.asarray(x) for n, x in xs.items()}
+  jchain = jax.jit(lambda ws, xs: chain(jnp.matmul, ws, xs))
+  tws = [[torch.from_numpy(w) for w in layer] for layer in ws]
+  txs = {n: torch.from_numpy(x) for n, x in xs.items()}
+  layers = (median_s(lambda: jax.block_until_ready(jchain(jws, jxs)), 15) * 1000,
+            median_s(lambda: chain(torch.matmul, tws, txs), 15) * 1000,
+            median_s(lambda: chain(np.matmul, ws, xs), 15) * 1000)
+  head = rng.standard_normal((D, cfg.vocab_size), np.float32) * 0.02
+  jhead, thead = jnp.asarray(head), torch.from_numpy(head)
+  x = xs[D]
+  jx, tx = jnp.asarray(x), torch.from_numpy(x)
+  jmm = jax.jit(jnp.matmul)
+  heads = (median_s(lambda: jax.block_until_ready(jmm(jx, jhead)), 15) * 1000,
+           median_s(lambda: torch.matmul(tx, thead), 15) * 1000,
+           median_s(lambda: np.matmul(x, head), 15) * 1000)
+  flops = 2 * ROWS * n_layers * sum(a * b for a, b in shapes)
+  say(f"weight products x{n_layers} layers at M={ROWS} ({flops / 1e9:.1f} GFLOP): "
+      f"xla {layers[0]:.1f} ms, torch {layers[1]:.1f} ms, numpy {layers[2]:.1f} ms; "
+      f"LM head: xla {heads[0]:.1f}, torch {heads[1]:.1f}, numpy {heads[2]:.1f} ms")
+  return layers, heads
+
+
+def attention_alone(cfg, S=384):
+  """ms and GB/s of the decode attention of all layers over ROWS rows and S slots."""
+  n_layers = cfg.n_layers
+  import jax
+  import jax.numpy as jnp
+  from rao_jax.model.transformer import _attention  # pylint: disable=protected-access
+  K, H, h = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+  rng = np.random.default_rng(0)
+  ks = [jnp.asarray(rng.standard_normal((ROWS, K, h, S), np.float32)) for _ in range(n_layers)]
+  vs = [jnp.asarray(rng.standard_normal((ROWS, K, S, h), np.float32)) for _ in range(n_layers)]
+  q = jnp.asarray(rng.standard_normal((ROWS, 1, H, h), np.float32))
+  visible = jnp.ones((ROWS, 1, S), bool)
+
+  @jax.jit
+  def run(q, ks, vs):
+    x = q
+    for k, v in zip(ks, vs):
+      x = _attention(x, k, v, visible, jnp.float32) * 0.1 + q
+    return x
+  ms = median_s(lambda: jax.block_until_ready(run(q, ks, vs)), 15) * 1000
+  gb = 2 * ROWS * K * h * S * 4 * n_layers / 1e9
+  say(f"decode attention alone, {n_layers} layers x {ROWS} rows x {S} slots: {ms:.1f} ms "
+      f"({gb / ms * 1000:.1f} GB/s over {gb:.2f} GB of keys and values)")
+  return ms, gb / ms * 1000
+
+
+def main():
+  from rao_jax.model import load_model
+  model = load_model("smollm2-135m", dtype="float32")
+  steps = decode_steps(model)
+  slope = (steps[768] - steps[384]) / 384
+  (l_xla, l_torch, l_np), (h_xla, h_torch, h_np) = weight_products(model.cfg)
+  att_ms, att_gbs = attention_alone(model.cfg)
+  floor = min(l_xla, l_torch, l_np) + min(h_xla, h_torch, h_np)
+  result = {
+      "benchmark": "decode_floor_b32_smollm2_135m_f32", "rows": ROWS,
+      "step_ms_cache64": round(steps[64], 1), "step_ms_cache384": round(steps[384], 1),
+      "step_ms_cache768": round(steps[768], 1),
+      "attention_ms_per_384_slots_in_step": round(slope * 384, 1),
+      "attention_alone_ms_384": round(att_ms, 1), "attention_alone_gb_s": round(att_gbs, 1),
+      "layer_products_ms": {"xla": round(l_xla, 1), "torch": round(l_torch, 1),
+                            "numpy": round(l_np, 1)},
+      "lm_head_ms": {"xla": round(h_xla, 1), "torch": round(h_torch, 1),
+                     "numpy": round(h_np, 1)},
+      # The fastest of the three libraries for the weights alone, no attention, no sampling.
+      "weights_floor_ms": round(floor, 1),
+      "weights_floor_tok_s": round(ROWS / floor * 1000, 1),
+  }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
