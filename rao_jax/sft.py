@@ -128,5 +128,7 @@ async def _run_sft(config, workdir: str, demos_path: str | None) -> dict[str, An
     bar.close()
     learner.close()
     writer.close()
-  return {"steps": steps, "final_nll": loss, "num_demos": len(trees),
+  # steps_run is 0 when the workdir already held the last SFT checkpoint (final_nll is nan).
+  return {"steps": steps, "steps_run": max(0, steps - start), "final_nll": loss,
+          "num_demos": len(trees),
           "checkpoints": lcfg.ckpt_dir}

@@ -97,3 +97,31 @@ def test_sft_has_its_own_warmup_and_learning_rate():
   # A two-step warm start must not spend its steps at a warm-up learning rate of 0.
   assert lc.warmup_steps == c.sft.warmup_steps == 0 and lc.lr == c.sft.lr
   assert X.learner_config(c, "/tmp/unused").warmup_steps == c.optim.warmup_steps
+
+
+def test_demo_keeps_a_finished_run_and_resumes_an_unfinished_one(tmp_path):
+  # Run in a subprocess: experiments.demo defines absl flags that other entry points imported
+  # by this test session define too.
+  import json
+  import os
+  import subprocess
+  import sys
+  root = tmp_path / "demo_out"
+  call = [sys.executable, "-c",
+          f"from experiments.demo import prepare_workdir; prepare_workdir({str(root)!r})"]
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def run():
+    return subprocess.run(call, capture_output=True, text=True, check=True, cwd=repo).stdout
+
+  assert run() == ""                                  # nothing there: a fresh start, silently
+  (root / "sft").mkdir(parents=True)
+  (root / "sft" / "ckpt").write_text("x")
+  assert "Resuming the unfinished demo" in run()      # interrupted: resumed in place
+  assert (root / "sft" / "ckpt").exists()
+  (root / "demo_summary.json").write_text(json.dumps({"eval_success": {}}))
+  out = run()
+  assert "A finished demo was in" in out and "Starting a fresh one" in out
+  kept = [p for p in tmp_path.iterdir() if p.name.startswith("demo_out.previous-")]
+  assert len(kept) == 1 and (kept[0] / "sft" / "ckpt").read_text() == "x"   # nothing lost
+  assert not root.exists()

@@ -499,9 +499,11 @@ def _warn_process_mode() -> None:
 
 
 def _pipe_holders(proc: asyncio.subprocess.Process) -> list[int]:
-  """Pids that hold the process's stderr pipe open (for the log; /proc scan, slow path only)."""
+  """Pids other than ours that hold the process's stderr pipe open (a /proc scan: slow path
+  only, after the process itself has gone)."""
   try:
-    pipe = proc._transport.get_pipe_transport(2).get_extra_info("pipe")  # pylint: disable=protected-access
+    transport = proc._transport  # pylint: disable=protected-access
+    pipe = transport.get_pipe_transport(2).get_extra_info("pipe")
     ino = os.fstat(pipe.fileno()).st_ino
   except (AttributeError, OSError, ValueError):
     return []
