@@ -213,13 +213,15 @@ class ReplProcess:
     done, _ = await asyncio.wait([waited], timeout=_EXIT_GRACE_S)
     if done:
       return
-    holders = _pipe_holders(proc)
-    if proc.returncode is not None:
+    # No holder at all is the common case here: the event loop was held up by other work and
+    # has not yet read the pipe's end; closing our end below settles it without a word.
+    holders = _pipe_holders(proc) if proc.returncode is not None else []
+    if holders:
       # Only the sandbox's own descendants can hold that pipe: one that escaped the process
       # group and outlived the sandbox must not survive it.
       log.warning("sandbox %d exited (status %s) but its stderr pipe is still held open by "
                   "pid(s) %s; killing them and closing the host's end", self.pid,
-                  proc.returncode, holders or "unknown")
+                  proc.returncode, holders)
       for pid in holders:
         try:
           os.kill(pid, signal.SIGKILL)
