@@ -126,14 +126,14 @@ class ReplProcess:
         try:
           self.proc = await start
         except Exception:  # pylint: disable=broad-except
-          self.proc = None
-        if self.proc is not None:
-          self.pid = self.proc.pid
-          await self.kill()
+          pass
         raise
     except BaseException:
       host_sock.close()
       child_sock.close()
+      if self.proc is not None:
+        self.pid = self.proc.pid
+        await self.kill()
       self._remove_tmpdir()
       raise
     finally:
