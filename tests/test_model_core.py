@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.model import ModelConfig, Transformer, make_packed_inputs, token_logprobs
+from rao_jax.model import (ModelConfig, Transformer, make_packed_inputs, token_logprob_sum,
+                           token_logprobs)
 from rao_jax.model.config import RopeScaling, UnsupportedModelError, rope_inv_freq
 from rao_jax.testing import SMOLLM2_135M_CONFIG, smollm2_config, tiny_config
 
@@ -226,6 +227,66 @@ def test_token_logprobs_chunked_equals_full_with_gradients():
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
   h = _forward(model, tokens, pos, seg)
   assert _logprobs(model, h, tokens).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])   # tied and untied LM head
+def test_token_logprob_sum_equals_token_logprobs_with_gradients(variant):
+  """The fused form (head gradient computed in the forward pass) against sum(coef * logp)."""
+  model = _model(variant)
+  B, T = 2, 9
+  tokens = _tokens(B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+  coef = jax.random.normal(jax.random.key(3), (B, T)) * (jnp.arange(T) % 4 != 0)  # some zeros
+
+  def fused(m, temp):
+    h = m(tokens, pos, seg)
+    return token_logprob_sum(m, h, tokens, coef, temperature=temp, chunk=7)   # ragged chunks
+
+  def reference(m, temp):
+    h = m(tokens, pos, seg)
+    lp = token_logprobs(m, h, tokens, temperature=temp)
+    return jnp.sum(coef * lp), lp
+
+  fused_fn = nnx.jit(nnx.value_and_grad(fused, has_aux=True))
+  ref_fn = nnx.jit(nnx.value_and_grad(reference, has_aux=True))
+  for temp in (1.0, 0.7):
+    (total, logp), g = fused_fn(model, temp)
+    (ref_total, ref_logp), ref_g = ref_fn(model, temp)
+    np.testing.assert_allclose(total, ref_total, rtol=1e-5)
+    np.testing.assert_allclose(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+      np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()) + 1e-7, rtol=1e-4)
+    assert float(np.abs(np.asarray(g["embed"][...])).max()) > 0
+  # Only the sum is differentiable: logp comes back under stop_gradient, coef is a constant.
+  g_logp = nnx.grad(lambda m: fused(m, 1.0)[1].sum())(model)
+  assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(g_logp))
+  g_coef = jax.grad(lambda c: token_logprob_sum(model, model(tokens, pos, seg), tokens, c)[0])(coef)
+  assert float(np.abs(np.asarray(g_coef)).max()) == 0
+  # Without differentiation (evaluation) it is the plain chunked computation.
+  total, logp = nnx.jit(fused, static_argnums=1)(model, 1.0)
+  np.testing.assert_allclose(logp, ref_fn(model, 1.0)[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_causal_attention_equals_one_block():
+  """Query blocks that skip the masked upper triangle give the same outputs and gradients."""
+  one = _model("qwen3", attention_block=64)
+  T = 11
+  positions, segments = make_packed_inputs([[4, 7], [11]], T)   # packed rows, ragged blocks
+  pos, seg, tokens = jnp.asarray(positions), jnp.asarray(segments), _tokens(2, T)
+  # A linear readout: mean(h^2) of RMS-normed h is nearly scale-invariant, so its gradient is
+  # a cancellation residue that float32 cannot compare.
+  r = jax.random.normal(jax.random.key(5), (2, T, one.cfg.d_model))
+  loss = lambda m: (m(tokens, pos, seg) * r).sum()
+  ref_h, ref_g = _forward(one, tokens, pos, seg), nnx.jit(nnx.grad(loss))(one)
+  for block in (3, 4):
+    m = Transformer(one.cfg.replace(attention_block=block), rngs=nnx.Rngs(0))
+    nnx.update(m, nnx.state(one))
+    np.testing.assert_allclose(_forward(m, tokens, pos, seg), ref_h, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(nnx.jit(nnx.grad(loss))(m)), jax.tree.leaves(ref_g)):
+      np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()), rtol=1e-4)
+  with pytest.raises(ValueError, match="attention_block"):
+    one.cfg.replace(attention_block=0)
 
 
 def test_scan_and_unrolled_layers_agree():

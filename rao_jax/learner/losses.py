@@ -33,18 +33,22 @@ class LossSpec:
     normalization: "node_mean" (coef = w_d A / |M_v|, normalizer N) or "token_sum"
       (coef = w_d A, normalizer = LearnerConfig.token_sum_normalizer).
     uses_rollout_logp: True when the loss needs the rollout logprobs (ratio-based losses).
+    linear: True when the loss is exactly -sum(coef * logp) over loss tokens with no
+      diagnostics; the step then computes it with the LM head's gradient fused into the
+      forward pass (``rao_jax.model.token_logprob_sum``) instead of calling ``fn``.
   """
   name: str
   fn: LossFn
   normalization: str
   uses_rollout_logp: bool
+  linear: bool = False
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, normalization: str = "node_mean",
-                  uses_rollout_logp: bool = False) -> Callable[[LossFn], LossFn]:
+def register_loss(name: str, *, normalization: str = "node_mean", uses_rollout_logp: bool = False,
+                  linear: bool = False) -> Callable[[LossFn], LossFn]:
   """Decorator registering a loss function under `name`."""
   if normalization not in ("node_mean", "token_sum"):
     raise ValueError(f"register_loss({name!r}): normalization={normalization!r}, expected "
@@ -53,7 +57,7 @@ def register_loss(name: str, *, normalization: str = "node_mean",
   def wrap(fn: LossFn) -> LossFn:
     if name in LOSSES:
       raise ValueError(f"Loss {name!r} is registered twice.")
-    LOSSES[name] = LossSpec(name, fn, normalization, uses_rollout_logp)
+    LOSSES[name] = LossSpec(name, fn, normalization, uses_rollout_logp, linear)
     return fn
   return wrap
 
@@ -73,7 +77,7 @@ def _masked_ratio(logp_BxT, batch):
   return jnp.exp(log_ratio), log_ratio
 
 
-@register_loss("rao")
+@register_loss("rao", linear=True)
 def rao_loss(logp_BxT, batch, cfg):
   """RAO_SPEC default: depth-weighted leave-one-out REINFORCE, per-node token mean.
 
@@ -84,7 +88,7 @@ def rao_loss(logp_BxT, batch, cfg):
   return -jnp.sum(jnp.where(mask, batch["coef_BxT"] * logp_BxT, 0.0)), {}
 
 
-@register_loss("token_sum", normalization="token_sum")
+@register_loss("token_sum", normalization="token_sum", linear=True)
 def token_sum_loss(logp_BxT, batch, cfg):
   """The RAO gradient with a token sum over each node and a constant normalizer C.
 

@@ -26,7 +26,7 @@ from rao_jax.learner.config import LearnerConfig
 from rao_jax.learner.packing import PackedBatch, pack_trees
 from rao_jax.learner.rewards import Advantages, compute_rewards_and_advantages
 from rao_jax.model import sharding as sharding_lib
-from rao_jax.model.transformer import Transformer, token_logprobs
+from rao_jax.model.transformer import Transformer, token_logprob_sum, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,13 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
-def _logprobs(graphdef, params, mb, temperature):
+def _forward(graphdef, params, mb):
   model = nnx.merge(graphdef, params)
-  hidden_BxTxD = model(mb["tokens_BxT"], mb["positions_BxT"], mb["segment_ids_BxT"])
+  return model, model(mb["tokens_BxT"], mb["positions_BxT"], mb["segment_ids_BxT"])
+
+
+def _logprobs(graphdef, params, mb, temperature):
+  model, hidden_BxTxD = _forward(graphdef, params, mb)
   return token_logprobs(model, hidden_BxTxD, mb["targets_BxT"], temperature=temperature)
 
 
@@ -126,9 +130,18 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
     micro-batch's loss tokens.
   """
   spec = losses_lib.get_loss(cfg.loss)
-  logp_BxT = _logprobs(graphdef, params, mb, cfg.temperature)
-  pg_sum, aux = spec.fn(logp_BxT, mb, cfg)
   mask = mb["loss_mask_BxT"]
+  if spec.linear and cfg.kl_coef <= 0:
+    # -sum(coef * logp) with the LM head's gradient computed in the forward pass (no logits
+    # recomputed in the backward). The KL term needs logp's own gradient: generic path then.
+    model, hidden_BxTxD = _forward(graphdef, params, mb)
+    pg_sum, logp_BxT = token_logprob_sum(
+        model, hidden_BxTxD, mb["targets_BxT"], jnp.where(mask, -mb["coef_BxT"], 0.0),
+        temperature=cfg.temperature)
+    aux = {}
+  else:
+    logp_BxT = _logprobs(graphdef, params, mb, cfg.temperature)
+    pg_sum, aux = spec.fn(logp_BxT, mb, cfg)
   aux = dict(aux)
   aux["pg_loss"] = pg_sum / normalizer
   aux["logp_sum"] = jnp.sum(jnp.where(mask, logp_BxT, 0.0))

@@ -1,6 +1,6 @@
 """The policy model: Llama-family decoder in Flax NNX, weights (GGUF, HF), tokenizer, sharding.
 
-Modules: config (ModelConfig), transformer (the NNX model, token_logprobs), weights (registry,
+Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum), weights (registry,
 GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free tokenizer and chat
 template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line chat).
 
@@ -24,6 +24,9 @@ template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line c
     # Log-prob of each target token under softmax(logits / temperature), float32, computed in
     # chunks over T (or V) so no full [B, T, V] float32 array is materialised; differentiable.
     logp_BxT = token_logprobs(model, hidden_BxTxD, targets_BxT, temperature=1.0)
+    # A loss linear in the log-probs, sum(coef * logp), with its gradient computed in the
+    # forward pass (no logits recomputed in the backward); logp comes back without gradient.
+    total, logp_BxT = token_logprob_sum(model, hidden_BxTxD, targets_BxT, coef_BxT)
     
     # 2) + 3) KV cache: prefill and decode are the same call with different T.
     cache = model.init_cache(batch_size=B, max_len=S)   # {"k": L x [B,K,h,S], "v": L x [B,K,S,h]}
@@ -55,7 +58,8 @@ template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line c
 """
 
 from rao_jax.model.config import ModelConfig, RopeScaling, UnsupportedModelError
-from rao_jax.model.transformer import Transformer, make_packed_inputs, token_logprobs
+from rao_jax.model.transformer import (Transformer, make_packed_inputs, token_logprob_sum,
+                                       token_logprobs)
 from rao_jax.model.tokenizer import Tokenizer
 from rao_jax.model.weights import (CheckpointMismatchError, WeightFileError, export_hf,
                                    known_models, load_model, load_pretrained,
@@ -63,6 +67,7 @@ from rao_jax.model.weights import (CheckpointMismatchError, WeightFileError, exp
 
 __all__ = [
     "ModelConfig", "RopeScaling", "UnsupportedModelError", "Transformer", "token_logprobs",
-    "make_packed_inputs", "Tokenizer", "load_pretrained", "load_model", "export_hf",
-    "known_models", "resolve_model_path", "CheckpointMismatchError", "WeightFileError",
+    "token_logprob_sum", "make_packed_inputs", "Tokenizer", "load_pretrained", "load_model",
+    "export_hf", "known_models", "resolve_model_path", "CheckpointMismatchError",
+    "WeightFileError",
 ]

@@ -98,6 +98,9 @@ class ModelConfig:
     scan_layers: run the L blocks with ``lax.scan`` (one compiled block; fast compiles) rather
       than unrolled.
     logits_chunk: tokens per chunk in ``token_logprobs`` (bounds the [chunk, V] float32 buffer).
+    attention_block: queries per block in the full forward's causal attention: the queries of
+      block [a, a + n) only meet keys [0, a + n), so the masked upper triangle is mostly never
+      computed (at 4 x 512 on CPU, n=128 made attention forward+backward 1.7x faster).
     bos_token_id, eos_token_id, pad_token_id: ids written to an exported ``config.json``.
   """
   vocab_size: int
@@ -122,13 +125,14 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   logits_chunk: int = 1024
+  attention_block: int = 128
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "mlp_dim", "max_seq_len", "logits_chunk"):
+                 "mlp_dim", "max_seq_len", "logits_chunk", "attention_block"):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer.")

@@ -140,9 +140,18 @@ def apply_rope(x_BxTxNxh, cos_BxTxh, sin_BxTxh):
 def _qkv(cfg: ModelConfig, p, x_BxTxD, cos, sin):
   dt = cfg.jnp_dtype
   y = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_eps)
-  q = jnp.einsum("BTD,DHh->BTHh", y, p["wq"].astype(dt))
-  k = jnp.einsum("BTD,DKh->BTKh", y, p["wk"].astype(dt))
-  v = jnp.einsum("BTD,DKh->BTKh", y, p["wv"].astype(dt))
+  # One [D, (H + 2K) h] product for q, k and v: its backward is one row-major [B*T, (H + 2K) h]
+  # gradient feeding two products. With three einsums, XLA:CPU built each weight gradient
+  # from a transposed copy of dq/dk/dv fused with the RoPE backward, a strided write at
+  # ~0.5 GB/s (0.6 s of the 4 x 512 SmolLM2 step in benchmarks/bench_model.py).
+  B, T, D = y.shape
+  H, K, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  w = jnp.concatenate([p["wq"].reshape(D, H * h), p["wk"].reshape(D, K * h),
+                       p["wv"].reshape(D, K * h)], axis=1).astype(dt)
+  qkv = jnp.dot(y.reshape(B * T, D), w)
+  q = qkv[:, :H * h].reshape(B, T, H, h)
+  k = qkv[:, H * h:(H + K) * h].reshape(B, T, K, h)
+  v = qkv[:, (H + K) * h:].reshape(B, T, K, h)
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if cfg.qk_norm:
@@ -208,8 +217,8 @@ def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, mask_BxTxT):
   # from q, k, v instead of storing them. Stored, they filled a zeroed [L, B, K, g*T, T]
   # buffer (1.1 GB at 4 x 512 on SmolLM2) that was written and read back once per layer,
   # which cost more than the recompute (4 x 512 step: 27.7 s -> 23.2 s on CPU).
-  attn = _attention_remat(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
-                          mask_BxTxT, cfg.jnp_dtype)
+  attn = _causal_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
+                           mask_BxTxT, cfg.jnp_dtype, cfg.attention_block)
   return _post_attention(cfg, p, x_BxTxD, attn)
 
 
@@ -425,7 +434,20 @@ def _attention(q_BxTxHxh, k_BxKxhxS, v_BxKxSxh, visible_BxTxS, dtype):
   return out.reshape(B, K, T, g, h).transpose(0, 2, 1, 3, 4).reshape(B, T, H, h)
 
 
-_attention_remat = jax.checkpoint(_attention, static_argnums=(4,))
+@functools.partial(jax.checkpoint, static_argnums=(4, 5))
+def _causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype, block: int):
+  """Attention of a row over itself under a causal mask, by blocks of ``block`` queries.
+
+  The queries of block [a, b) can only see keys [0, b), so each block attends over that prefix
+  alone: the fully masked upper triangle is skipped but for the diagonal blocks (5/8 of the
+  full work at 4 blocks). Exact: a skipped key has probability 0 either way. Within the prefix,
+  ``mask_BxTxT`` still applies (segments of packed rows, causality in the diagonal block).
+  """
+  T = q_BxTxHxh.shape[1]
+  outs = [_attention(q_BxTxHxh[:, a:a + block], k_BxKxhxT[..., :a + block],
+                     v_BxKxTxh[:, :, :a + block], mask_BxTxT[:, a:a + block, :a + block], dtype)
+          for a in range(0, T, block)]
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------
@@ -468,6 +490,87 @@ def token_logprobs(model: Transformer, hidden_BxTxD, targets_BxT, temperature: f
   fn = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, tc, w, temperature))
   out = jax.lax.map(lambda a: fn(*a), (h, t))
   return out.reshape(-1)[:n].reshape(B, T)
+
+
+def token_logprob_sum(model: Transformer, hidden_BxTxD, targets_BxT, coef_BxT,
+                      temperature: float = 1.0, chunk: int | None = None):
+  """``sum(coef * logp)`` and ``logp`` [B, T], for losses linear in the log-probs.
+
+  ``logp`` equals ``token_logprobs(...)``; only the sum is differentiable (``logp`` comes back
+  under ``stop_gradient``; ``coef`` and ``temperature`` are constants). Under differentiation
+  the gradient of the sum is computed chunk by chunk during the forward pass (a fused linear
+  cross-entropy): each chunk's [chunk, V] logits serve the value and both gradients, then are
+  dropped. ``token_logprobs`` cannot know its cotangents that early and recomputes the logits
+  in the backward pass instead: one LM-head product more (on SmolLM2, as many flops as 8 of
+  its 30 blocks). Use this form when the coefficients are known before the forward pass (NLL,
+  the RAO REINFORCE loss); a loss that weighs tokens by their own log-probs (PPO, CISPO) uses
+  ``token_logprobs``.
+
+  Args:
+    model: the Transformer (its LM head is used).
+    hidden_BxTxD: final-normed hidden states from ``model(...)``.
+    targets_BxT: int target ids.
+    coef_BxT: float coefficient of each position's log-prob (0 where it does not count).
+    temperature: softmax temperature (> 0).
+    chunk: tokens per chunk (default cfg.logits_chunk).
+
+  Returns:
+    (float32 scalar sum, float32 logp [B, T]).
+  """
+  B, T, D = hidden_BxTxD.shape
+  n = B * T
+  chunk = min(chunk or model.cfg.logits_chunk, n)
+  n_chunks = -(-n // chunk)
+  pad = n_chunks * chunk - n
+  h = jnp.pad(hidden_BxTxD.reshape(n, D), ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+  t = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad)).reshape(n_chunks, chunk)
+  c = jnp.pad(jax.lax.stop_gradient(coef_BxT).reshape(n).astype(jnp.float32),
+              (0, pad)).reshape(n_chunks, chunk)   # padding positions weigh 0
+  w = model.head_weight().astype(model.cfg.jnp_dtype)
+  temperature = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
+  total, logp = _fused_logprob_sum(h, w, t, c, temperature)
+  return total, jax.lax.stop_gradient(logp.reshape(-1)[:n].reshape(B, T))
+
+
+@jax.custom_vjp
+def _fused_logprob_sum(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
+  """(sum c * logp, logp [C, N]) over C chunks of N positions; see token_logprob_sum."""
+  logp = jax.lax.map(lambda a: _chunk_logprobs(a[0], a[1], w_VxD, temperature), (h_CxNxD, t_CxN))
+  return jnp.sum(c_CxN * logp), logp
+
+
+def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
+  def chunk(dw_VxD, xs):
+    h_NxD, t_N, c_N = xs
+    logits_NxV = jnp.einsum("ND,VD->NV", h_NxD, w_VxD,
+                            preferred_element_type=jnp.float32) / temperature
+    lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
+    logp_N = jnp.take_along_axis(logits_NxV, t_N[:, None], axis=-1)[:, 0] - lse_N
+    # d(c logp)/d(h W^T) = k (onehot(t) - softmax) with k = c / temperature. The onehot part is
+    # a row gather (for dh) and a row scatter-add (for dw), not a dense [N, V] term.
+    k_N = c_N / temperature
+    kp_NxV = (jnp.exp(logits_NxV - lse_N[:, None]) * k_N[:, None]).astype(w_VxD.dtype)
+    k_Nx1 = k_N[:, None].astype(h_NxD.dtype)
+    dh_NxD = (jnp.take(w_VxD, t_N, axis=0) * k_Nx1
+              - jnp.einsum("NV,VD->ND", kp_NxV, w_VxD, preferred_element_type=jnp.float32
+                           ).astype(h_NxD.dtype))
+    dw_VxD = dw_VxD - jnp.einsum("NV,ND->VD", kp_NxV, h_NxD, preferred_element_type=jnp.float32)
+    dw_VxD = dw_VxD.at[t_N].add((h_NxD * k_Nx1).astype(jnp.float32))
+    return dw_VxD, (logp_N, dh_NxD)
+
+  dw, (logp, dh) = jax.lax.scan(chunk, jnp.zeros(w_VxD.shape, jnp.float32),
+                                (h_CxNxD, t_CxN, c_CxN))
+  return (jnp.sum(c_CxN * logp), logp), (dh, dw.astype(w_VxD.dtype), logp, temperature)
+
+
+def _fused_logprob_sum_bwd(res, cts):
+  dh, dw, logp, temperature = res
+  ct = cts[0]   # logp leaves token_logprob_sum under stop_gradient: its cotangent is zero
+  return (ct.astype(dh.dtype) * dh, ct.astype(dw.dtype) * dw, None, ct * logp,
+          jnp.zeros_like(temperature))
+
+
+_fused_logprob_sum.defvjp(_fused_logprob_sum_fwd, _fused_logprob_sum_bwd)
 
 
 def make_packed_inputs(lengths_per_row: list[list[int]], T: int):
