@@ -1,0 +1,49 @@
+"""rao_jax.host_memory: freed big blocks are reused, not re-faulted from the OS (real processes)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = r"""
+import json, os, resource
+import numpy as np
+import rao_jax
+from rao_jax import host_memory
+
+def rss_mb():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def touch_and_free_block():
+  a = np.empty(64 << 20, np.uint8)   # 64 MB: over glibc's largest mmap threshold (32 MB)
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  a[::4096] = 1                       # one write per page
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+  held = rss_mb()
+  del a
+  return faults, held - rss_mb()
+
+touch_and_free_block()
+faults, released_mb = touch_and_free_block()
+print(json.dumps({"in_effect": host_memory.in_effect(), "faults": faults,
+                  "released_mb": released_mb}))
+"""
+
+
+def _probe(**env):
+  out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=120, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_import_keeps_freed_memory_for_reuse():
+  reused = _probe(RAO_JAX_SYSTEM_MALLOC="0")
+  assert reused["in_effect"], reused
+  # The freed block stays with the process, and the next one is served from it: no new pages.
+  assert reused["released_mb"] < 8 and reused["faults"] < 100, reused
+  system = _probe(RAO_JAX_SYSTEM_MALLOC="1")   # the opt-out keeps glibc's behaviour:
+  assert not system["in_effect"], system
+  assert system["released_mb"] > 56, system    # unmapped on free, mapped afresh next time
