@@ -1,8 +1,10 @@
 """Forward+backward of the mean token cross-entropy on SmolLM2-135M: rao_jax vs transformers.
 
 Both run float32 on CPU over the same weights and the same batch (default 4 x 512 tokens):
-ours is one jitted ``value_and_grad`` step; the peer is transformers' LlamaForCausalLM on
-PyTorch (``loss.backward()``). The two run in alternating rounds (so machine drift hits both);
+ours is one jitted ``value_and_grad`` step over ``token_logprob_sum`` (what the learner runs
+for the NLL and the RAO loss); the peer is transformers' LlamaForCausalLM on PyTorch
+(``loss.backward()``). Both run in this one process, so both get the malloc configuration that
+``import rao_jax`` applies (``host_malloc_reuse``; it speeds the peer up as well). The two run in alternating rounds (so machine drift hits both);
 each round runs one side ``--steps`` times in a row, then the other. The first step of a side
 after a switch is reported apart (``*_after_switch_s``): measured here, our step right after a
 PyTorch step is 20-25% slower than after one of ours (both frameworks share the two cores and
@@ -32,16 +34,18 @@ def log(*a):
 
 
 def make_ours(model, tokens_BxT, forward_only=False):
-  from rao_jax.model import token_logprobs
+  from rao_jax.model import token_logprob_sum
   graphdef, state = nnx.split(model)
   B, T = tokens_BxT.shape
   positions = jnp.broadcast_to(jnp.arange(T - 1), (B, T - 1))
   segments = jnp.ones((B, T - 1), jnp.int32)
+  coef = jnp.full((B, T - 1), -1.0 / (B * (T - 1)), jnp.float32)   # the mean NLL
 
   def loss_fn(state, tokens):
+    # What the learner runs for the NLL and the RAO loss (linear in the log-probs).
     m = nnx.merge(graphdef, state)
     hidden = m(tokens[:, :-1], positions, segments)
-    return -token_logprobs(m, hidden, tokens[:, 1:]).mean()
+    return token_logprob_sum(m, hidden, tokens[:, 1:], coef)[0]
 
   fn = jax.jit(loss_fn if forward_only else jax.value_and_grad(loss_fn))
   tokens = jnp.asarray(tokens_BxT)
@@ -103,6 +107,7 @@ def main():
   if args.quick:
     args.batch, args.seq, args.steps, args.warmup, args.rounds = 2, 256, 2, 1, 1
   import torch
+  from rao_jax import host_memory
   from rao_jax.model import load_model
   log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
       f"torch {torch.__version__} with {torch.get_num_threads()} threads")
@@ -147,7 +152,8 @@ def main():
             "ours_after_switch_s": statistics.median(s_ours),
             "peer_after_switch_s": statistics.median(s_peer),
             "ratio_after_switch": round(statistics.median(s_peer) / statistics.median(s_ours), 3),
-            "loss_ours": loss_ours, "loss_peer": loss_peer, **result}
+            "loss_ours": loss_ours, "loss_peer": loss_peer,
+            "host_malloc_reuse": host_memory.in_effect(), **result}
   print(json.dumps(result))
 
 
