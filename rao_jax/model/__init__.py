@@ -1,8 +1,9 @@
 """The policy model: Llama-family decoder in Flax NNX, weights (GGUF, HF), tokenizer, sharding.
 
-Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum), weights (registry,
-GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free tokenizer and chat
-template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line chat).
+Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum),
+weights (registry, GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free
+tokenizer and chat template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line
+chat).
 
     ## The model API
     
