@@ -4,8 +4,9 @@ Both run float32 on CPU over the same weights and the same batch (default 4 x 51
 ours is one jitted ``value_and_grad`` step over ``token_logprob_sum`` (what the learner runs
 for the NLL and the RAO loss); the peer is transformers' LlamaForCausalLM on PyTorch
 (``loss.backward()``). Both run in this one process, so both get the malloc configuration that
-``import rao_jax`` applies (``host_malloc_reuse``; it speeds the peer up as well). The two run in alternating rounds (so machine drift hits both);
-each round runs one side ``--steps`` times in a row, then the other. The first step of a side
+``import rao_jax`` applies (``host_malloc_reuse``; it speeds the peer up as well). The two run
+in alternating rounds (so machine drift hits both); each round runs one side ``--steps`` times
+in a row, then the other. The first step of a side
 after a switch is reported apart (``*_after_switch_s``): measured here, our step right after a
 PyTorch step is 20-25% slower than after one of ours (both frameworks share the two cores and
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the

@@ -137,18 +137,24 @@ def apply_rope(x_BxTxNxh, cos_BxTxh, sin_BxTxh):
   return out.astype(x_BxTxNxh.dtype)
 
 
-def _qkv(cfg: ModelConfig, p, x_BxTxD, cos, sin):
+def _fused_qkv_weight(p):
+  """The q, k and v projections side by side, [D, (H + 2K) h]: one product for all three.
+
+  Its backward is then one row-major [B*T, (H + 2K) h] gradient feeding two products. With
+  three einsums, XLA:CPU built each weight gradient from a transposed copy of dq/dk/dv fused
+  with the RoPE backward, a strided write at ~0.5 GB/s (0.6 s of the 4 x 512 SmolLM2 step in
+  benchmarks/bench_model.py).
+  """
+  D = p["wq"].shape[0]
+  return jnp.concatenate([p[n].reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1)
+
+
+def _qkv(cfg: ModelConfig, p, w_qkv, x_BxTxD, cos, sin):
   dt = cfg.jnp_dtype
   y = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_eps)
-  # One [D, (H + 2K) h] product for q, k and v: its backward is one row-major [B*T, (H + 2K) h]
-  # gradient feeding two products. With three einsums, XLA:CPU built each weight gradient
-  # from a transposed copy of dq/dk/dv fused with the RoPE backward, a strided write at
-  # ~0.5 GB/s (0.6 s of the 4 x 512 SmolLM2 step in benchmarks/bench_model.py).
   B, T, D = y.shape
   H, K, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  w = jnp.concatenate([p["wq"].reshape(D, H * h), p["wk"].reshape(D, K * h),
-                       p["wv"].reshape(D, K * h)], axis=1).astype(dt)
-  qkv = jnp.dot(y.reshape(B * T, D), w)
+  qkv = jnp.dot(y.reshape(B * T, D), w_qkv.astype(dt))
   q = qkv[:, :H * h].reshape(B, T, H, h)
   k = qkv[:, H * h:(H + K) * h].reshape(B, T, K, h)
   v = qkv[:, (H + K) * h:].reshape(B, T, K, h)
@@ -210,7 +216,7 @@ def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
 
 
 def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, mask_BxTxT):
-  q, k, v = _qkv(cfg, p, x_BxTxD, cos, sin)
+  q, k, v = _qkv(cfg, p, _fused_qkv_weight(p), x_BxTxD, cos, sin)
   # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
   # probabilities then never need a transpose, forward or backward.
   # Rematerialised: the backward pass recomputes the [B, K, g*T, T] scores and probabilities
@@ -325,13 +331,18 @@ class Transformer(nnx.Module):
 
     Called outside jit this copies each layer out of the stacked arrays once (the rollout
     engine does so on every weight update). A decode step is memory-bound on CPU: slicing the
-    stacked arrays inside it copied the whole model each step and doubled its time.
+    stacked arrays inside it copied the whole model each step and doubled its time. For the
+    same reason each layer holds q, k and v fused once here ("wqkv", [D, (H + 2K) h]) in place
+    of "wq", "wk", "wv": the training forward fuses them per step, a decode step must not.
     """
     stacked = self.layers.arrays()
+    layers = []
+    for i in range(self.cfg.n_layers):
+      p = {k: v[i] for k, v in stacked.items()}
+      p["wqkv"] = _fused_qkv_weight(p)
+      layers.append({k: v for k, v in p.items() if k not in ("wq", "wk", "wv")})
     return {"embed": self.embed[...], "head": self.head_weight(),
-            "final_norm": self.final_norm[...],
-            "layers": [{k: v[i] for k, v in stacked.items()}
-                       for i in range(self.cfg.n_layers)]}
+            "final_norm": self.final_norm[...], "layers": layers}
 
   def inference_fns(self) -> "CachedForward":
     """The pure prefill/decode functions over ``inference_params()`` (hashable, jit-static)."""
@@ -388,7 +399,7 @@ class CachedForward:
     x = jnp.take(params["embed"], tokens_BxT, axis=0).astype(dt)
     ks, vs = list(cache["k"]), list(cache["v"])
     for i, p in enumerate(params["layers"]):
-      q, k, v = _qkv(cfg, p, x, cos, sin)
+      q, k, v = _qkv(cfg, p, p["wqkv"], x, cos, sin)
       # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
       ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
       vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
@@ -451,12 +462,26 @@ def _causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype, block:
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------
-def _chunk_logprobs(hidden_NxD, targets_N, w_VxD, temperature):
+def _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature):
+  """(logits / temperature [N, V], their logsumexp [N], target log-probs [N]), float32."""
   logits_NxV = jnp.einsum("ND,VD->NV", hidden_NxD, w_VxD, preferred_element_type=jnp.float32)
   logits_NxV = logits_NxV / temperature
   lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
   tgt_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
-  return tgt_N - lse_N
+  return logits_NxV, lse_N, tgt_N - lse_N
+
+
+def _chunk_logprobs(hidden_NxD, targets_N, w_VxD, temperature):
+  return _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature)[2]
+
+
+def _in_chunks(chunk: int, *arrays):
+  """Each [N, ...] array zero-padded to C * chunk rows and reshaped [C, chunk, ...]."""
+  n = arrays[0].shape[0]
+  n_chunks = -(-n // chunk)
+  pad = n_chunks * chunk - n
+  return tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(
+      (n_chunks, chunk) + a.shape[1:]) for a in arrays)
 
 
 def token_logprobs(model: Transformer, hidden_BxTxD, targets_BxT, temperature: float = 1.0,
@@ -483,10 +508,7 @@ def token_logprobs(model: Transformer, hidden_BxTxD, targets_BxT, temperature: f
   temperature = jnp.asarray(temperature, jnp.float32)
   if chunk >= n:
     return _chunk_logprobs(h_NxD, t_N, w, temperature).reshape(B, T)
-  n_chunks = -(-n // chunk)
-  pad = n_chunks * chunk - n
-  h = jnp.pad(h_NxD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-  t = jnp.pad(t_N, (0, pad)).reshape(n_chunks, chunk)
+  h, t = _in_chunks(chunk, h_NxD, t_N)
   fn = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, tc, w, temperature))
   out = jax.lax.map(lambda a: fn(*a), (h, t))
   return out.reshape(-1)[:n].reshape(B, T)
@@ -520,12 +542,9 @@ def token_logprob_sum(model: Transformer, hidden_BxTxD, targets_BxT, coef_BxT,
   B, T, D = hidden_BxTxD.shape
   n = B * T
   chunk = min(chunk or model.cfg.logits_chunk, n)
-  n_chunks = -(-n // chunk)
-  pad = n_chunks * chunk - n
-  h = jnp.pad(hidden_BxTxD.reshape(n, D), ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-  t = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad)).reshape(n_chunks, chunk)
-  c = jnp.pad(jax.lax.stop_gradient(coef_BxT).reshape(n).astype(jnp.float32),
-              (0, pad)).reshape(n_chunks, chunk)   # padding positions weigh 0
+  # Padding positions get coefficient 0: they add nothing to the sum or the gradients.
+  h, t, c = _in_chunks(chunk, hidden_BxTxD.reshape(n, D), targets_BxT.reshape(n).astype(jnp.int32),
+                       jax.lax.stop_gradient(coef_BxT).reshape(n).astype(jnp.float32))
   w = model.head_weight().astype(model.cfg.jnp_dtype)
   temperature = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
   total, logp = _fused_logprob_sum(h, w, t, c, temperature)
@@ -542,10 +561,7 @@ def _fused_logprob_sum(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
 def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
   def chunk(dw_VxD, xs):
     h_NxD, t_N, c_N = xs
-    logits_NxV = jnp.einsum("ND,VD->NV", h_NxD, w_VxD,
-                            preferred_element_type=jnp.float32) / temperature
-    lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
-    logp_N = jnp.take_along_axis(logits_NxV, t_N[:, None], axis=-1)[:, 0] - lse_N
+    logits_NxV, lse_N, logp_N = _chunk_logits(h_NxD, t_N, w_VxD, temperature)
     # d(c logp)/d(h W^T) = k (onehot(t) - softmax) with k = c / temperature. The onehot part is
     # a row gather (for dh) and a row scatter-add (for dw), not a dense [N, V] term.
     k_N = c_N / temperature
