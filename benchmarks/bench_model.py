@@ -56,7 +56,8 @@ def make_ours(model, tokens_BxT, forward_only=False):
   return step
 
 
-def make_peer(model, tokens_BxT, forward_only=False):
+def build_peer(model):
+  """transformers' LlamaForCausalLM (SDPA attention, float32, train mode) with our weights."""
   import torch
   from transformers import LlamaConfig, LlamaForCausalLM
   from rao_jax.model.weights import hf_state_dict
@@ -69,8 +70,13 @@ def make_peer(model, tokens_BxT, forward_only=False):
   missing, unexpected = peer.load_state_dict(sd, strict=False)
   assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
   peer.tie_weights()
-  peer.float().train()
   # Dropout is 0 in this config; train() only matters for parity of code paths.
+  return peer.float().train()
+
+
+def make_peer(model, tokens_BxT, forward_only=False):
+  import torch
+  peer = build_peer(model)
   tokens = torch.from_numpy(np.asarray(tokens_BxT, np.int64))
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
