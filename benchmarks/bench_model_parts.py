@@ -11,7 +11,8 @@ alternating rounds like bench_model.py (the first step after a switch dropped):
   head     the LM head and the mean token cross-entropy over given hidden states (our
            ``token_logprob_sum``; the peer's ``lm_head`` and ``cross_entropy``)
 
-``ratio`` per part is peer seconds / our seconds (above 1: we are faster). The last stdout
+Both sides' losses must agree (relative difference <= 1e-3, recorded per part) or the script
+stops. ``ratio`` per part is peer seconds / our seconds (above 1: we are faster). The last stdout
 line is JSON; progress goes to stderr.
 
     python benchmarks/bench_model_parts.py [--batch 4] [--seq 512] [--rounds 3] [--steps 2]
@@ -45,7 +46,7 @@ class HeadOnly:
 
 
 def our_parts(model, x_BxTxD, targets_BxT):
-  """name -> a function running that part's forward+backward once, blocking."""
+  """name -> a function running that part's forward+backward once; returns the loss."""
   from rao_jax.model import token_logprob_sum, transformer
   cfg = model.cfg
   B, T, _ = x_BxTxD.shape
@@ -74,12 +75,14 @@ def our_parts(model, x_BxTxD, targets_BxT):
   # Gradients for the blocks and the final norm only: the peer's embedding gets none either.
   graphdef, blocks, rest = nnx.split(model, lambda path, _: path[0] in ("layers", "final_norm"),
                                      ...)
-  fns = {"mlp": (jax.jit(jax.grad(mlp, (0, 1))), (layer0, x_BxTxD)),
-         "layer": (jax.jit(jax.grad(layer, (0, 1))), (layer0, x_BxTxD)),
-         "layers": (jax.jit(jax.grad(lambda s, x: layers(nnx.merge(graphdef, s, rest), x),
-                                     (0, 1))), (blocks, x_BxTxD)),
-         "head": (jax.jit(jax.grad(head, (0, 1))), (model.head_weight(), x_BxTxD))}
-  return {k: functools.partial(lambda f, a: jax.block_until_ready(f(*a)), f, a)
+  fns = {"mlp": (mlp, (layer0, x_BxTxD)),
+         "layer": (layer, (layer0, x_BxTxD)),
+         "layers": (lambda s, x: layers(nnx.merge(graphdef, s, rest), x), (blocks, x_BxTxD)),
+         "head": (head, (model.head_weight(), x_BxTxD))}
+
+  def run(step, args):
+    return float(jax.block_until_ready(step(*args))[0])
+  return {k: functools.partial(run, jax.jit(jax.value_and_grad(f, (0, 1))), a)
           for k, (f, a) in fns.items()}
 
 
@@ -97,7 +100,9 @@ def peer_parts(peer, x_BxTxD, targets_BxT):
     def step():
       peer.zero_grad(set_to_none=True)
       x.grad = None
-      fn().backward()
+      loss = fn()
+      loss.backward()
+      return loss.item()
     return step
 
   def layer_out():
@@ -134,7 +139,11 @@ def main():
   result = {"benchmark": "model_parts_fwd_bwd_smollm2_135m_f32", "batch": args.batch,
             "seq": args.seq}
   for part in args.parts.split(","):
-    ours[part](), theirs[part]()   # compile / warm up
+    # Warm-up, and a check that both sides compute the same loss (float32 rounding apart).
+    loss_ours, loss_peer = ours[part](), theirs[part]()
+    rel = abs(loss_ours - loss_peer) / max(abs(loss_peer), 1e-12)
+    if rel > 1e-3:
+      raise SystemExit(f"{part}: our loss {loss_ours} differs from the peer's {loss_peer}")
     t_ours, t_peer = [], []
     for _ in range(args.rounds):
       for fn, times in ((ours[part], t_ours), (theirs[part], t_peer)):
@@ -143,7 +152,7 @@ def main():
     o, p = statistics.median(t_ours), statistics.median(t_peer)
     log(f"{part}: ours {o:.3f}s peer {p:.3f}s ratio {p / o:.3f}")
     result.update({f"{part}_ours_s": round(o, 4), f"{part}_peer_s": round(p, 4),
-                   f"{part}_ratio": round(p / o, 3)})
+                   f"{part}_ratio": round(p / o, 3), f"{part}_loss_rel_diff": float(f"{rel:.1e}")})
   print(json.dumps(result))
 
 
