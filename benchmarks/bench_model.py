@@ -10,8 +10,9 @@ in a row, then the other. The first step of a side
 after a switch is reported apart (``*_after_switch_s``): measured here, our step right after a
 PyTorch step is 20-25% slower than after one of ours (both frameworks share the two cores and
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
-steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. Progress goes to
-stderr; the last stdout line is JSON.
+steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_gemm`` says
+which kernels ran our float32 products (``mkl`` or ``xla``: rao_jax/model/matmul.py; set
+``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). Progress goes to stderr; the last stdout line is JSON.
 
     python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
 """
@@ -115,7 +116,7 @@ def main():
     args.batch, args.seq, args.steps, args.warmup, args.rounds = 2, 256, 2, 1, 1
   import torch
   from rao_jax import host_memory
-  from rao_jax.model import load_model
+  from rao_jax.model import load_model, matmul
   log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
       f"torch {torch.__version__} with {torch.get_num_threads()} threads")
   t0 = time.time()
@@ -160,7 +161,8 @@ def main():
             "peer_after_switch_s": statistics.median(s_peer),
             "ratio_after_switch": round(statistics.median(s_peer) / statistics.median(s_ours), 3),
             "loss_ours": loss_ours, "loss_peer": loss_peer,
-            "host_malloc_reuse": host_memory.in_effect(), **result}
+            "host_malloc_reuse": host_memory.in_effect(), "cpu_gemm": matmul.backend(),
+            **result}
   print(json.dumps(result))
 
 

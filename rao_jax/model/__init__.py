@@ -3,7 +3,7 @@
 Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum),
 weights (registry, GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free
 tokenizer and chat template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line
-chat).
+chat), matmul (the model's 2-D products: MKL sgemm through XLA FFI on x86 CPUs, else XLA's dot).
 
     ## The model API
     

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from rao_jax.model.config import ModelConfig, rope_inv_freq
+from rao_jax.model.matmul import dense
 
 Cache = dict[str, list]   # {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}
 
@@ -154,7 +155,7 @@ def _qkv(cfg: ModelConfig, p, w_qkv, x_BxTxD, cos, sin):
   y = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_eps)
   B, T, D = y.shape
   H, K, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  qkv = jnp.dot(y.reshape(B * T, D), w_qkv.astype(dt))
+  qkv = dense(y.reshape(B * T, D), w_qkv.astype(dt))
   q = qkv[:, :H * h].reshape(B, T, H, h)
   k = qkv[:, H * h:(H + K) * h].reshape(B, T, K, h)
   v = qkv[:, (H + K) * h:].reshape(B, T, K, h)
@@ -179,27 +180,27 @@ def _mlp(y_BxTxD, wg_DxF, wu_DxF, wd_FxD):
   return _mlp_fwd(y_BxTxD, wg_DxF, wu_DxF, wd_FxD)[0]
 
 
-def _mlp_fwd(y, wg, wu, wd):
-  g = jnp.einsum("BTD,DF->BTF", y, wg)
-  u = jnp.einsum("BTD,DF->BTF", y, wu)
-  return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, wd), (y, g, u, wg, wu, wd)
+def _mlp_fwd(y_BxTxD, wg, wu, wd):
+  B, T, D = y_BxTxD.shape
+  y = y_BxTxD.reshape(B * T, D)
+  g, u = dense(y, wg), dense(y, wu)
+  return dense(jax.nn.silu(g) * u, wd).reshape(B, T, D), (y, g, u, wg, wu, wd)
 
 
 def _mlp_bwd(res, d_out_BxTxD):
-  y, g, u, wg, wu, wd = res
-  B, T, D = y.shape
-  F = g.shape[-1]
-  sig = jax.nn.sigmoid(g)
-  silu = g * sig
-  d_a = jnp.einsum("BTD,FD->BTF", d_out_BxTxD, wd)
+  y_NxD, g_NxF, u_NxF, wg, wu, wd = res
+  B, T, D = d_out_BxTxD.shape
+  d_out_NxD = d_out_BxTxD.reshape(B * T, D)
+  sig = jax.nn.sigmoid(g_NxF)
+  silu = g_NxF * sig
+  d_a = dense(d_out_NxD, wd, trans_b=True)
   d_u = d_a * silu
-  d_g = d_a * u * (sig * (1 + g * (1 - sig)))
-  d_y = jnp.einsum("BTF,DF->BTD", d_g, wg) + jnp.einsum("BTF,DF->BTD", d_u, wu)
-  y_NxD = y.reshape(B * T, D)
-  d_wd = jnp.einsum("NF,ND->FD", (silu * u).reshape(B * T, F), d_out_BxTxD.reshape(B * T, D))
-  d_wg = jnp.einsum("ND,NF->DF", y_NxD, d_g.reshape(B * T, F))
-  d_wu = jnp.einsum("ND,NF->DF", y_NxD, d_u.reshape(B * T, F))
-  return d_y, d_wg, d_wu, d_wd
+  d_g = d_a * u_NxF * (sig * (1 + g_NxF * (1 - sig)))
+  d_y = dense(d_g, wg, trans_b=True) + dense(d_u, wu, trans_b=True)
+  d_wd = dense(silu * u_NxF, d_out_NxD, trans_a=True)
+  d_wg = dense(y_NxD, d_g, trans_a=True)
+  d_wu = dense(y_NxD, d_u, trans_a=True)
+  return d_y.reshape(B, T, D), d_wg, d_wu, d_wd
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -207,7 +208,9 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
   dt = cfg.jnp_dtype
-  o = jnp.einsum("BTHh,HhD->BTD", attn_BxTxHxh, p["wo"].astype(dt))
+  B, T, H, h = attn_BxTxHxh.shape
+  o = dense(attn_BxTxHxh.reshape(B * T, H * h), p["wo"].astype(dt).reshape(H * h, -1)
+            ).reshape(B, T, -1)
   if cfg.o_bias:
     o = o + p["bo"].astype(dt)
   x = x_BxTxD + o
@@ -464,7 +467,7 @@ def _causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype, block:
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------
 def _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature):
   """(logits / temperature [N, V], their logsumexp [N], target log-probs [N]), float32."""
-  logits_NxV = jnp.einsum("ND,VD->NV", hidden_NxD, w_VxD, preferred_element_type=jnp.float32)
+  logits_NxV = dense(hidden_NxD, w_VxD, trans_b=True, preferred_element_type=jnp.float32)
   logits_NxV = logits_NxV / temperature
   lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
   tgt_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
@@ -568,9 +571,8 @@ def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
     kp_NxV = (jnp.exp(logits_NxV - lse_N[:, None]) * k_N[:, None]).astype(w_VxD.dtype)
     k_Nx1 = k_N[:, None].astype(h_NxD.dtype)
     dh_NxD = (jnp.take(w_VxD, t_N, axis=0) * k_Nx1
-              - jnp.einsum("NV,VD->ND", kp_NxV, w_VxD, preferred_element_type=jnp.float32
-                           ).astype(h_NxD.dtype))
-    dw_VxD = dw_VxD - jnp.einsum("NV,ND->VD", kp_NxV, h_NxD, preferred_element_type=jnp.float32)
+              - dense(kp_NxV, w_VxD, preferred_element_type=jnp.float32).astype(h_NxD.dtype))
+    dw_VxD = dw_VxD - dense(kp_NxV, h_NxD, trans_a=True, preferred_element_type=jnp.float32)
     dw_VxD = dw_VxD.at[t_N].add((h_NxD * k_Nx1).astype(jnp.float32))
     return dw_VxD, (logp_N, dh_NxD)
 

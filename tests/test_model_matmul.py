@@ -1,0 +1,168 @@
+"""rao_jax.model.matmul: MKL's sgemm through XLA FFI for the model's float32 CPU products."""
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rao_jax.model import matmul
+
+X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+  """A clean choice of backend, restored afterwards (the choice is cached per process)."""
+  monkeypatch.delenv(matmul.ENV, raising=False)
+  matmul._mkl_ready.cache_clear()
+  yield monkeypatch
+  monkeypatch.undo()
+  matmul._mkl_ready.cache_clear()
+
+
+def _hlo(fn, *args):
+  return jax.jit(fn).lower(*args).as_text()
+
+
+def test_mkl_is_used_on_x86_linux():
+  # The product the package installs for (setup.py pulls mkl in on x86-64 Linux); a CI machine
+  # that silently fell back to XLA would otherwise pass every other test here.
+  if not X86_LINUX:
+    pytest.skip("MKL path is x86-64 Linux only")
+  assert matmul.backend() == "mkl"
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_dense_matches_xla_values_and_gradients(trans_a, trans_b):
+  # 300 rows: several chunks of unequal size over the pool's threads.
+  rng = np.random.default_rng(0)
+  m, k, n = 300, 96, 130
+  a = jnp.asarray(rng.standard_normal((k, m) if trans_a else (m, k)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((n, k) if trans_b else (k, n)), jnp.float32)
+
+  def ours(a, b):
+    return matmul.dense(a, b, trans_a, trans_b)
+
+  def ref(a, b):
+    return (a.T if trans_a else a) @ (b.T if trans_b else b)
+
+  if X86_LINUX:
+    assert "rao_mkl_gemm" in _hlo(ours, a, b)
+  np.testing.assert_allclose(jax.jit(ours)(a, b), ref(a, b), rtol=1e-5, atol=1e-4)
+  loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))   # noqa: E731
+  got = jax.jit(jax.grad(loss(ours), (0, 1)))(a, b)
+  want = jax.grad(loss(ref), (0, 1))(a, b)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_small_bf16_and_mixed_products_stay_with_xla():
+  a = jnp.ones((8, 96), jnp.float32)     # a decode step's rows: below MIN_ROWS
+  w = jnp.ones((96, 128), jnp.float32)
+  assert "rao_mkl_gemm" not in _hlo(matmul.dense, a, w)
+  big = jnp.ones((128, 96), jnp.bfloat16)
+  out = jax.jit(lambda x, y: matmul.dense(x, y, preferred_element_type=jnp.float32))(
+      big, w.astype(jnp.bfloat16))
+  assert out.dtype == jnp.float32 and float(out[0, 0]) == 96.0
+  assert "rao_mkl_gemm" not in _hlo(matmul.dense, big, w.astype(jnp.bfloat16))
+
+
+def test_shape_errors_name_the_shapes():
+  with pytest.raises(ValueError, match=r"\[4, 5\].*\[6, 7\]"):
+    matmul.dense(jnp.ones((4, 5)), jnp.ones((6, 7)))
+  with pytest.raises(ValueError, match="2-D"):
+    matmul.dense(jnp.ones((2, 4, 5)), jnp.ones((5, 7)))
+
+
+def test_env_xla_turns_it_off_and_bad_value_is_named(fresh):
+  fresh.setenv(matmul.ENV, "xla")
+  a = jnp.ones((128, 64), jnp.float32)
+  assert matmul.backend() == "xla"
+  assert "rao_mkl_gemm" not in _hlo(matmul.dense, a, a.T)
+  matmul._mkl_ready.cache_clear()
+  fresh.setenv(matmul.ENV, "fastest")
+  with pytest.raises(ValueError, match="RAO_JAX_CPU_GEMM='fastest'"):
+    matmul.backend()
+
+
+def test_missing_mkl_falls_back_or_fails_clearly(fresh, caplog):
+  def missing():
+    raise matmul.CpuGemmUnavailable("the 'mkl' package is not installed (pip install mkl)")
+  fresh.setattr(matmul, "_mkl_lib_dir", missing)
+  fresh.setattr(matmul.platform, "machine", lambda: "x86_64")
+  fresh.setattr(matmul.platform, "system", lambda: "Linux")
+  assert matmul.backend() == "xla"                  # auto: a warning, then XLA
+  assert "pip install mkl" in caplog.text
+  matmul._mkl_ready.cache_clear()
+  fresh.setenv(matmul.ENV, "mkl")                   # asked for explicitly: an error
+  with pytest.raises(matmul.CpuGemmUnavailable, match="RAO_JAX_CPU_GEMM=mkl.*pip install mkl"):
+    matmul.backend()
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
+def test_compile_failure_names_the_source_and_compiler_output(fresh, tmp_path):
+  broken = tmp_path / "mkl_gemm.cc"
+  broken.write_text("this is not C++\n")
+  fresh.setattr(matmul, "_SOURCE", str(broken))
+  fresh.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  fresh.setenv(matmul.ENV, "mkl")
+  with pytest.raises(matmul.CpuGemmUnavailable, match="compiling .*mkl_gemm.cc failed"):
+    matmul.backend()
+  assert not list((tmp_path / "cache" / "rao_jax").glob("*.so"))   # nothing half-built kept
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
+def test_model_gradients_agree_between_mkl_and_xla(fresh):
+  # The whole model's loss and gradients through MKL (every block's products) equal XLA's.
+  from rao_jax.model import ModelConfig, Transformer, token_logprob_sum
+  cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, mlp_dim=128, dtype="float32", param_dtype="float32")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(1)
+  B, T = 2, 48
+  tokens = jnp.asarray(rng.integers(0, 256, (B, T + 1)))
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+  coef = jnp.full((B, T), -1.0 / (B * T))
+
+  def loss(state):
+    m = nnx.merge(graphdef, state)
+    return token_logprob_sum(m, m(tokens[:, :-1], pos, seg), tokens[:, 1:], coef, chunk=64)[0]
+
+  def run():
+    fn = jax.value_and_grad(loss)   # a new function: traced afresh under the current choice
+    return jax.jit(fn).lower(state).as_text(), jax.jit(fn)(state)
+
+  hlo_mkl, (l_mkl, g_mkl) = run()
+  assert hlo_mkl.count("rao_mkl_gemm") >= 10
+  fresh.setenv(matmul.ENV, "xla")
+  matmul._mkl_ready.cache_clear()
+  hlo_xla, (l_xla, g_xla) = run()
+  assert "rao_mkl_gemm" not in hlo_xla
+  np.testing.assert_allclose(l_mkl, l_xla, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_mkl), jax.tree.leaves(g_xla)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_sharded_operands_give_the_same_result_and_gradients():
+  # The learner jits over a device mesh: the opaque call then gets gathered operands (a CPU
+  # mesh is for tests; accelerators take XLA's dot), and results must not change.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((128, 192)), jnp.float32)
+  a_s = jax.device_put(a, NamedSharding(mesh, P("data", None)))
+  w_s = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+  loss = lambda f: lambda a, w: jnp.sum(jnp.sin(f(a, w)))   # noqa: E731
+  got = jax.jit(jax.value_and_grad(loss(matmul.dense), (0, 1)))(a_s, w_s)
+  want = jax.value_and_grad(loss(jnp.dot), (0, 1))(a, w)
+  for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w_, rtol=1e-4, atol=1e-4)
