@@ -12,7 +12,9 @@ PyTorch step is 20-25% slower than after one of ours (both frameworks share the 
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
 steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_gemm`` says
 which kernels ran our float32 products (``mkl`` or ``xla``: rao_jax/model/matmul.py; set
-``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). Progress goes to stderr; the last stdout line is JSON.
+``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady step
+took; a step that grows the heap pays ~0.6M and several seconds (see rao_jax/host_memory.py), so
+a high count explains an outlier. Progress goes to stderr; the last stdout line is JSON.
 
     python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -102,6 +105,11 @@ def timed(fn):
   return time.perf_counter() - t0, out
 
 
+def faults() -> int:
+  """Minor page faults of this process so far: a step that grows the heap pays ~0.6M of them."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--batch", type=int, default=4)
@@ -133,12 +141,17 @@ def main():
   for _ in range(args.warmup):
     ours(), peer()
   t_ours, t_peer, s_ours, s_peer = [], [], [], []
+  flt = {"ours": [], "peer": []}   # page faults per steady step
   for r in range(args.rounds):
     for fn, first, steady, name in ((ours, s_ours, t_ours, "ours"), (peer, s_peer, t_peer, "peer")):
       first.append(timed(fn)[0])
-      steady.extend(timed(fn)[0] for _ in range(args.steps))
+      for _ in range(args.steps):
+        f0 = faults()
+        steady.append(timed(fn)[0])
+        flt[name].append(faults() - f0)
       log(f"round {r} {name}: after switch {first[-1]:.3f}s, then "
-          + " ".join(f"{t:.3f}" for t in steady[-args.steps:]))
+          + " ".join(f"{t:.3f}" for t in steady[-args.steps:])
+          + f" ({' '.join(str(f) for f in flt[name][-args.steps:])} page faults)")
   result = {}
   if args.forward:
     f_ours, f_peer = make_ours(model, tokens, True), make_peer(model, tokens, True)
@@ -161,6 +174,7 @@ def main():
             "peer_after_switch_s": statistics.median(s_peer),
             "ratio_after_switch": round(statistics.median(s_peer) / statistics.median(s_ours), 3),
             "loss_ours": loss_ours, "loss_peer": loss_peer,
+            "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
             "host_malloc_reuse": host_memory.in_effect(), "cpu_gemm": matmul.backend(),
             **result}
   print(json.dumps(result))

@@ -1,12 +1,12 @@
 """Dense 2-D products of the model: MKL's sgemm on x86 CPUs, XLA's dot everywhere else.
 
-``dense(a, b, trans_a, trans_b)`` is ``op(a) @ op(b)``. On a single-device CPU run in float32
-with both sides at least ``MIN_ROWS`` long it calls MKL's ``cblas_sgemm`` through an XLA FFI
-handler (``csrc/mkl_gemm.cc``): measured on the SmolLM2 training step's products, XLA:CPU's own
-kernels run 10-30% below MKL on the same shapes (the peer PyTorch uses MKL too), and the whole
-4 x 512 forward+backward step ran ~10% faster with them (benchmarks/bench_model.py). Anywhere
-else (GPU, TPU, bfloat16, decode-sized products, several CPU devices, whose sharded operands an
-opaque call would gather) it is ``jax.lax.dot_general``, so results agree to float32 rounding.
+``dense(a, b, trans_a, trans_b)`` is ``op(a) @ op(b)``. On CPU in float32 with both sides of
+the result at least ``MIN_ROWS`` long it calls MKL's ``cblas_sgemm`` through an XLA FFI handler
+(``csrc/mkl_gemm.cc``): on the SmolLM2 training step's product shapes XLA:CPU's own kernels ran
+up to 30% below MKL (the peer PyTorch uses MKL too), and the whole 4 x 512 forward+backward step
+ran 1.09x faster with MKL (benchmarks/bench_cpu_gemm.py). Anywhere else (GPU, TPU, bfloat16,
+decode-sized products) it is ``jax.lax.dot_general``; results agree to float32 rounding. Under a
+CPU device mesh (tests) XLA gathers the call's sharded operands first: correct, not fast.
 
 The handler is compiled once per machine on first use (a C++ compiler, ~5 s) into
 ``$XDG_CACHE_HOME/rao_jax`` (default ``~/.cache/rao_jax``) and linked against the ``mkl``

@@ -1,6 +1,6 @@
 // C[M, N] = op(A) op(B) in float32, row-major, with MKL's sgemm: an XLA FFI handler for
-// rao_jax/model/matmul.py. Why MKL: on x86 CPUs its sgemm runs the model's products 10-30%
-// faster than XLA:CPU's own dot kernels (benchmarks/bench_model_parts.py, session notes).
+// rao_jax/model/matmul.py. Why MKL: on x86 CPUs its sgemm runs most of the model's products
+// up to 30% faster than XLA:CPU's own dot kernels (benchmarks/bench_cpu_gemm.py).
 //
 // MKL runs single-threaded here (linked against mkl_sequential): its own thread team would
 // fight XLA's intra-op pool for the same cores. Instead the rows of C are cut into chunks that
