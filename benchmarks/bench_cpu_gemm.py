@@ -32,13 +32,6 @@ SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (1536, 2048, 576), (2048, 576, 5
           (1024, 49152, 576)]
 
 
-def use(backend: str):
-  from rao_jax.model import matmul
-  os.environ[matmul.ENV] = backend
-  matmul._mkl_ready.cache_clear()   # the choice is cached per process; functions traced after
-  return matmul                     # this call use the new one
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--batch", type=int, default=4)
@@ -46,7 +39,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--reps", type=int, default=5, help="timed calls per product per round")
   args = parser.parse_args()
-  from rao_jax.model import load_model
+  from rao_jax.model import load_model, matmul
   result = {"benchmark": "cpu_gemm_mkl_vs_xla", "batch": args.batch, "seq": args.seq}
   rng = np.random.default_rng(0)
   for m, k, n in SHAPES:
@@ -54,9 +47,10 @@ def main():
     b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
     fns = {}
     for side in ("xla", "mkl"):
-      matmul = use(side)
-      fns[side] = jax.jit(lambda a, b, mm=matmul: mm.dense(a, b))
-      assert ("rao_mkl_gemm" in fns[side].lower(a, b).as_text()) == (side == "mkl")
+      matmul.select(side)   # compiled now, so each side keeps its own choice
+      lowered = jax.jit(lambda a, b: matmul.dense(a, b)).lower(a, b)
+      assert ("rao_mkl_gemm" in lowered.as_text()) == (side == "mkl")
+      fns[side] = lowered.compile()
     np.testing.assert_allclose(fns["mkl"](a, b), fns["xla"](a, b), rtol=1e-4, atol=1e-3)
     times = {"xla": [], "mkl": []}
     for _ in range(args.rounds):
@@ -72,10 +66,10 @@ def main():
                                              (args.batch, args.seq + 1))
   steps, losses = {}, {}
   for side in ("xla", "mkl"):
-    use(side)
+    matmul.select(side)
     steps[side] = make_ours(model, tokens)
     losses[side] = float(steps[side]()[0])   # compiles under this side's choice
-  use("auto")
+  matmul.select("auto")
   if abs(losses["mkl"] - losses["xla"]) > 1e-4 * abs(losses["xla"]):
     raise SystemExit(f"losses differ: {losses}")
   times = {"xla": [], "mkl": []}

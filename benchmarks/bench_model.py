@@ -12,9 +12,9 @@ PyTorch step is 20-25% slower than after one of ours (both frameworks share the 
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
 steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_gemm`` says
 which kernels ran our float32 products (``mkl`` or ``xla``: rao_jax/model/matmul.py; set
-``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady step
-took; a step that grows the heap pays ~0.6M and several seconds (see rao_jax/host_memory.py), so
-a high count explains an outlier. Progress goes to stderr; the last stdout line is JSON.
+``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady
+step took; a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
+rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last stdout line is JSON.
 
     python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
 """

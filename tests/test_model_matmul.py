@@ -82,11 +82,23 @@ def test_env_xla_turns_it_off_and_bad_value_is_named(fresh):
   fresh.setenv(matmul.ENV, "xla")
   a = jnp.ones((128, 64), jnp.float32)
   assert matmul.backend() == "xla"
-  assert "rao_mkl_gemm" not in _hlo(matmul.dense, a, a.T)
+  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)   # a fresh trace
   matmul._mkl_ready.cache_clear()
   fresh.setenv(matmul.ENV, "fastest")
   with pytest.raises(ValueError, match="RAO_JAX_CPU_GEMM='fastest'"):
     matmul.backend()
+
+
+def test_select_switches_for_functions_traced_afterwards(fresh):
+  # New functions each time: JAX caches the trace of a function it has seen with these shapes.
+  a = jnp.ones((128, 64), jnp.float32)
+  matmul.select("xla")
+  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
+  if X86_LINUX:
+    matmul.select("mkl")
+    assert "rao_mkl_gemm" in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
+  with pytest.raises(ValueError, match="'fastest'"):
+    matmul.select("fastest")
 
 
 def test_missing_mkl_falls_back_or_fails_clearly(fresh, caplog):

@@ -41,11 +41,15 @@ class CpuGemmUnavailable(RuntimeError):
   """MKL's sgemm cannot be used here (the message says why and what to install)."""
 
 
-def _mode() -> str:
-  mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+def _checked(mode: str) -> str:
+  mode = mode.strip().lower() or "auto"
   if mode not in ("auto", "mkl", "xla"):
     raise ValueError(f"{ENV}={mode!r}: expected 'auto', 'mkl' or 'xla'")
   return mode
+
+
+def _mode() -> str:
+  return _checked(os.environ.get(ENV, "auto"))
 
 
 def _mkl_lib_dir() -> str:
@@ -126,15 +130,24 @@ def _mkl_ready() -> bool:
   return True
 
 
+def select(mode: str) -> None:
+  """Sets ``RAO_JAX_CPU_GEMM`` for this process; functions traced afterwards use the choice.
+
+  A function JAX has already traced for the same shapes keeps its trace (and its choice).
+  """
+  os.environ[ENV] = _checked(mode)   # a bad value is named here, not at the next trace
+  _mkl_ready.cache_clear()
+
+
 def backend() -> str:
   """'mkl' or 'xla': what ``dense`` uses for eligible float32 products in this process."""
   return "mkl" if jax.default_backend() == "cpu" and _mkl_ready() else "xla"
 
 
 def _uses_mkl(a, b, m: int, n: int, preferred_element_type) -> bool:
-  return (a.ndim == 2 and b.ndim == 2 and a.dtype == jnp.float32 and b.dtype == jnp.float32
-          and preferred_element_type in (None, jnp.float32) and min(m, n) >= MIN_ROWS
-          and jax.default_backend() == "cpu" and _mkl_ready())
+  return (a.dtype == jnp.float32 and b.dtype == jnp.float32
+          and (preferred_element_type is None or jnp.dtype(preferred_element_type) == jnp.float32)
+          and min(m, n) >= MIN_ROWS and jax.default_backend() == "cpu" and _mkl_ready())
 
 
 def _mkl_call(a, b, trans_a: bool, trans_b: bool):
