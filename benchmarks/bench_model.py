@@ -10,9 +10,9 @@ in a row, then the other. The first step of a side
 after a switch is reported apart (``*_after_switch_s``): measured here, our step right after a
 PyTorch step is 20-25% slower than after one of ours (both frameworks share the two cores and
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
-steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_gemm`` says
-which kernels ran our float32 products (``mkl`` or ``xla``: rao_jax/model/matmul.py; set
-``RAO_JAX_CPU_GEMM=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady
+steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_kernels``
+says which kernels ran our float32 products and attention (``mkl`` or ``xla``:
+rao_jax/model/cpu_kernels.py; set ``RAO_JAX_CPU_KERNELS=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady
 step took; a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
 rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last stdout line is JSON.
 
@@ -124,7 +124,7 @@ def main():
     args.batch, args.seq, args.steps, args.warmup, args.rounds = 2, 256, 2, 1, 1
   import torch
   from rao_jax import host_memory
-  from rao_jax.model import load_model, matmul
+  from rao_jax.model import cpu_kernels, load_model
   log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
       f"torch {torch.__version__} with {torch.get_num_threads()} threads")
   t0 = time.time()
@@ -175,7 +175,7 @@ def main():
             "ratio_after_switch": round(statistics.median(s_peer) / statistics.median(s_ours), 3),
             "loss_ours": loss_ours, "loss_peer": loss_peer,
             "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
-            "host_malloc_reuse": host_memory.in_effect(), "cpu_gemm": matmul.backend(),
+            "host_malloc_reuse": host_memory.in_effect(), "cpu_kernels": cpu_kernels.backend(),
             **result}
   print(json.dumps(result))
 

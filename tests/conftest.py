@@ -8,3 +8,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No test may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+  """A clean choice of CPU kernels (rao_jax.model.cpu_kernels), restored afterwards: the choice
+  is cached per process and read from RAO_JAX_CPU_KERNELS."""
+  from rao_jax.model import cpu_kernels
+  # setenv, not delenv: monkeypatch then restores the variable even after cpu_kernels.select()
+  # wrote os.environ directly (a delenv of an unset variable records nothing to undo).
+  monkeypatch.setenv(cpu_kernels.ENV, "auto")
+  cpu_kernels.ready.cache_clear()
+  yield monkeypatch
+  monkeypatch.undo()
+  cpu_kernels.ready.cache_clear()

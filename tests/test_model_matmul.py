@@ -7,31 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.model import matmul
+from rao_jax.model import cpu_kernels, matmul
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-  """A clean choice of backend, restored afterwards (the choice is cached per process)."""
-  monkeypatch.delenv(matmul.ENV, raising=False)
-  matmul._mkl_ready.cache_clear()
-  yield monkeypatch
-  monkeypatch.undo()
-  matmul._mkl_ready.cache_clear()
-
-
 def _hlo(fn, *args):
   return jax.jit(fn).lower(*args).as_text()
-
-
-def test_mkl_is_used_on_x86_linux():
-  # The product the package installs for (setup.py pulls mkl in on x86-64 Linux); a CI machine
-  # that silently fell back to XLA would otherwise pass every other test here.
-  if not X86_LINUX:
-    pytest.skip("MKL path is x86-64 Linux only")
-  assert matmul.backend() == "mkl"
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
@@ -78,58 +60,10 @@ def test_shape_errors_name_the_shapes():
     matmul.dense(jnp.ones((2, 4, 5)), jnp.ones((5, 7)))
 
 
-def test_env_xla_turns_it_off_and_bad_value_is_named(fresh):
-  fresh.setenv(matmul.ENV, "xla")
-  a = jnp.ones((128, 64), jnp.float32)
-  assert matmul.backend() == "xla"
-  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)   # a fresh trace
-  matmul._mkl_ready.cache_clear()
-  fresh.setenv(matmul.ENV, "fastest")
-  with pytest.raises(ValueError, match="RAO_JAX_CPU_GEMM='fastest'"):
-    matmul.backend()
-
-
-def test_select_switches_for_functions_traced_afterwards(fresh):
-  # New functions each time: JAX caches the trace of a function it has seen with these shapes.
-  a = jnp.ones((128, 64), jnp.float32)
-  matmul.select("xla")
-  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
-  if X86_LINUX:
-    matmul.select("mkl")
-    assert "rao_mkl_gemm" in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
-  with pytest.raises(ValueError, match="'fastest'"):
-    matmul.select("fastest")
-
-
-def test_missing_mkl_falls_back_or_fails_clearly(fresh, caplog):
-  def missing():
-    raise matmul.CpuGemmUnavailable("the 'mkl' package is not installed (pip install mkl)")
-  fresh.setattr(matmul, "_mkl_lib_dir", missing)
-  fresh.setattr(matmul.platform, "machine", lambda: "x86_64")
-  fresh.setattr(matmul.platform, "system", lambda: "Linux")
-  assert matmul.backend() == "xla"                  # auto: a warning, then XLA
-  assert "pip install mkl" in caplog.text
-  matmul._mkl_ready.cache_clear()
-  fresh.setenv(matmul.ENV, "mkl")                   # asked for explicitly: an error
-  with pytest.raises(matmul.CpuGemmUnavailable, match="RAO_JAX_CPU_GEMM=mkl.*pip install mkl"):
-    matmul.backend()
-
-
 @pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
-def test_compile_failure_names_the_source_and_compiler_output(fresh, tmp_path):
-  broken = tmp_path / "mkl_gemm.cc"
-  broken.write_text("this is not C++\n")
-  fresh.setattr(matmul, "_SOURCE", str(broken))
-  fresh.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  fresh.setenv(matmul.ENV, "mkl")
-  with pytest.raises(matmul.CpuGemmUnavailable, match="compiling .*mkl_gemm.cc failed"):
-    matmul.backend()
-  assert not list((tmp_path / "cache" / "rao_jax").glob("*.so"))   # nothing half-built kept
-
-
-@pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
-def test_model_gradients_agree_between_mkl_and_xla(fresh):
-  # The whole model's loss and gradients through MKL (every block's products) equal XLA's.
+def test_model_gradients_agree_between_mkl_and_xla(fresh_kernels):
+  # The whole model's loss and gradients through MKL (every block's products and attention)
+  # equal XLA's.
   from rao_jax.model import ModelConfig, Transformer, token_logprob_sum
   cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                     head_dim=16, mlp_dim=128, dtype="float32", param_dtype="float32")
@@ -152,10 +86,11 @@ def test_model_gradients_agree_between_mkl_and_xla(fresh):
 
   hlo_mkl, (l_mkl, g_mkl) = run()
   assert hlo_mkl.count("rao_mkl_gemm") >= 10
-  fresh.setenv(matmul.ENV, "xla")
-  matmul._mkl_ready.cache_clear()
+  assert cpu_kernels.ATTENTION_FWD in hlo_mkl and cpu_kernels.ATTENTION_BWD in hlo_mkl
+  fresh_kernels.setenv(cpu_kernels.ENV, "xla")
+  cpu_kernels.ready.cache_clear()
   hlo_xla, (l_xla, g_xla) = run()
-  assert "rao_mkl_gemm" not in hlo_xla
+  assert "rao_mkl_gemm" not in hlo_xla and cpu_kernels.ATTENTION_FWD not in hlo_xla
   np.testing.assert_allclose(l_mkl, l_xla, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_mkl), jax.tree.leaves(g_xla)):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)

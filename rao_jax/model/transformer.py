@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rao_jax.model import cpu_attention
 from rao_jax.model.config import ModelConfig, rope_inv_freq
 from rao_jax.model.matmul import dense
 
@@ -218,17 +219,27 @@ def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
   return x + _mlp(y, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt))
 
 
-def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, mask_BxTxT):
+def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, attend):
+  """One decoder block; ``attend(q, k, v)`` is the causal attention of the row over itself."""
   q, k, v = _qkv(cfg, p, _fused_qkv_weight(p), x_BxTxD, cos, sin)
-  # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
-  # probabilities then never need a transpose, forward or backward.
-  # Rematerialised: the backward pass recomputes the [B, K, g*T, T] scores and probabilities
-  # from q, k, v instead of storing them. Stored, they filled a zeroed [L, B, K, g*T, T]
-  # buffer (1.1 GB at 4 x 512 on SmolLM2) that was written and read back once per layer,
-  # which cost more than the recompute (4 x 512 step: 27.7 s -> 23.2 s on CPU).
-  attn = _causal_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
-                           mask_BxTxT, cfg.jnp_dtype, cfg.attention_block)
-  return _post_attention(cfg, p, x_BxTxD, attn)
+  return _post_attention(cfg, p, x_BxTxD, attend(q, k, v))
+
+
+def _self_attention(cfg: ModelConfig, segment_ids_BxT):
+  """``attend(q, k, v)`` for the full forward: MKL's kernel on CPU in float32, else XLA's."""
+  if cpu_attention.usable(cfg.jnp_dtype):
+    return lambda q, k, v: cpu_attention.causal_attention(q, k, v, segment_ids_BxT)
+  T = segment_ids_BxT.shape[1]
+  idx = jnp.arange(T)
+  mask_BxTxT = ((segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+                & (idx[:, None] >= idx[None, :])[None])
+
+  def attend(q, k, v):
+    # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
+    # probabilities then never need a transpose, forward or backward.
+    return _causal_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
+                             mask_BxTxT, cfg.jnp_dtype, cfg.attention_block)
+  return attend
 
 
 def _remat(cfg: ModelConfig, fn):
@@ -301,14 +312,10 @@ class Transformer(nnx.Module):
   def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT):
     """As ``__call__`` but from input embeddings [B, T, D] instead of token ids."""
     cfg = self.cfg
-    T = x_BxTxD.shape[1]
-    idx = jnp.arange(T)
-    mask_BxTxT = ((segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
-                  & (idx[:, None] >= idx[None, :])[None])
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    block = _remat(cfg, functools.partial(_block, cfg))
-    x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype),
-                            lambda p, x, _: (block(p, x, cos, sin, mask_BxTxT), None))
+    attend = _self_attention(cfg, segment_ids_BxT)
+    block = _remat(cfg, lambda p, x: _block(cfg, p, x, cos, sin, attend))
+    x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype), lambda p, x, _: (block(p, x), None))
     return rms_norm(x, self.final_norm[...], cfg.rms_eps)
 
   def logits(self, hidden_BxTxD):
@@ -456,6 +463,12 @@ def _causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype, block:
   alone: the fully masked upper triangle is skipped but for the diagonal blocks (5/8 of the
   full work at 4 blocks). Exact: a skipped key has probability 0 either way. Within the prefix,
   ``mask_BxTxT`` still applies (segments of packed rows, causality in the diagonal block).
+
+  Rematerialised: the backward pass recomputes the [B, K, g*T, T] scores and probabilities from
+  q, k, v instead of storing them. Stored, they filled a zeroed [L, B, K, g*T, T] buffer (1.1 GB
+  at 4 x 512 on SmolLM2) written and read back once per layer, which cost more than the
+  recompute (4 x 512 step on CPU: 27.7 s -> 23.2 s). (On CPU in float32, cpu_attention runs
+  instead.)
   """
   T = q_BxTxHxh.shape[1]
   outs = [_attention(q_BxTxHxh[:, a:a + block], k_BxKxhxT[..., :a + block],

@@ -1,0 +1,174 @@
+"""rao_jax.model.cpu_kernels (building and choosing the MKL kernels) and cpu_attention."""
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rao_jax.model import cpu_attention, cpu_kernels, matmul, transformer
+
+X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
+needs_mkl = pytest.mark.skipif(not X86_LINUX, reason="MKL kernels are x86-64 Linux only")
+
+
+def _hlo(fn, *args):
+  return jax.jit(fn).lower(*args).as_text()
+
+
+def test_mkl_is_used_on_x86_linux():
+  # The product the package installs for (setup.py pulls mkl in on x86-64 Linux); a CI machine
+  # that silently fell back to XLA would otherwise pass every other test here.
+  if not X86_LINUX:
+    pytest.skip("MKL path is x86-64 Linux only")
+  assert cpu_kernels.backend() == "mkl"
+
+
+def test_env_xla_turns_it_off_and_bad_value_is_named(fresh_kernels):
+  fresh_kernels.setenv(cpu_kernels.ENV, "xla")
+  a = jnp.ones((128, 64), jnp.float32)
+  assert cpu_kernels.backend() == "xla"
+  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)   # a fresh trace
+  cpu_kernels.ready.cache_clear()
+  fresh_kernels.setenv(cpu_kernels.ENV, "fastest")
+  with pytest.raises(ValueError, match="RAO_JAX_CPU_KERNELS='fastest'"):
+    cpu_kernels.backend()
+
+
+def test_select_switches_for_functions_traced_afterwards(fresh_kernels):
+  # New functions each time: JAX caches the trace of a function it has seen with these shapes.
+  a = jnp.ones((128, 64), jnp.float32)
+  cpu_kernels.select("xla")
+  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
+  if X86_LINUX:
+    cpu_kernels.select("mkl")
+    assert "rao_mkl_gemm" in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
+  with pytest.raises(ValueError, match="'fastest'"):
+    cpu_kernels.select("fastest")
+
+
+def test_missing_mkl_falls_back_or_fails_clearly(fresh_kernels, caplog):
+  def missing():
+    raise cpu_kernels.CpuKernelsUnavailable("the 'mkl' package is not installed (pip install mkl)")
+  fresh_kernels.setattr(cpu_kernels, "_mkl_lib_dir", missing)
+  fresh_kernels.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+  fresh_kernels.setattr(cpu_kernels.platform, "system", lambda: "Linux")
+  assert cpu_kernels.backend() == "xla"                  # auto: a warning, then XLA
+  assert "pip install mkl" in caplog.text
+  cpu_kernels.ready.cache_clear()
+  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")                   # asked for explicitly: an error
+  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="RAO_JAX_CPU_KERNELS=mkl.*pip install mkl"):
+    cpu_kernels.backend()
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
+def test_compile_failure_names_the_source_and_compiler_output(fresh_kernels, tmp_path):
+  src = tmp_path / "csrc"
+  src.mkdir()
+  (src / "mkl_gemm.cc").write_text("this is not C++\n")
+  fresh_kernels.setattr(cpu_kernels, "_SOURCE_DIR", str(src))
+  fresh_kernels.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
+  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="compiling .*csrc failed(?s:.*)this is not C"):
+    cpu_kernels.backend()
+  assert not list((tmp_path / "cache" / "rao_jax").glob("*.so"))   # nothing half-built kept
+
+
+# ---- cpu_attention ------------------------------------------------------------------------------
+def _qkv(B, T, H, K, h, seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((B, T, H, h), (B, T, K, h), (B, T, K, h), (B, T, H, h)))
+
+
+def _xla_attention(q, k, v, seg):
+  """The model's XLA attention (transformer._causal_attention) on the same inputs."""
+  T = q.shape[1]
+  idx = jnp.arange(T)
+  mask = (seg[:, :, None] == seg[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+  return transformer._causal_attention(q, jnp.transpose(k, (0, 2, 3, 1)),
+                                       jnp.transpose(v, (0, 2, 1, 3)), mask, jnp.float32, 64)
+
+
+def _segments(B, T):
+  # Row 0 one segment; row 1 two; row 2 three and padding (0) at the end; boundaries off the
+  # kernel's 64-query blocks.
+  seg = np.ones((B, T), np.int32)
+  seg[1, 70:] = 2
+  seg[2, 30:100] = 2
+  seg[2, 100:T - 9] = 3
+  seg[2, T - 9:] = 0
+  return jnp.asarray(seg)
+
+
+@needs_mkl
+@pytest.mark.parametrize("B,T,H,K,h", [(3, 150, 6, 2, 16), (3, 130, 4, 4, 32), (3, 200, 8, 1, 8)])
+def test_attention_matches_xla_values_and_gradients(B, T, H, K, h):
+  # GQA groups of 3, plain multi-head, one shared kv head; T not a multiple of the query block.
+  q, k, v, w = _qkv(B, T, H, K, h)
+  seg = _segments(B, T)
+  ours = lambda q, k, v: cpu_attention.causal_attention(q, k, v, seg)   # noqa: E731
+  ref = lambda q, k, v: _xla_attention(q, k, v, seg)                    # noqa: E731
+  assert cpu_kernels.ATTENTION_FWD in _hlo(ours, q, k, v)
+  np.testing.assert_allclose(jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v), atol=2e-5, rtol=1e-4)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)     # noqa: E731
+  got = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v)
+  for name, g_, w_ in zip("qkv", got, want):
+    assert g_.shape == w_.shape, name
+    np.testing.assert_allclose(g_, w_, atol=1e-4 * float(jnp.abs(w_).max()), rtol=1e-4,
+                               err_msg=f"d{name}")
+
+
+@needs_mkl
+def test_attention_never_reads_another_segment_or_a_later_token():
+  # Changing keys/values of a later token or of another segment leaves an output unchanged.
+  B, T, H, K, h = 3, 150, 6, 2, 16
+  q, k, v, _ = _qkv(B, T, H, K, h)
+  seg = _segments(B, T)
+  f = jax.jit(lambda q, k, v: cpu_attention.causal_attention(q, k, v, seg))
+  base = f(q, k, v)
+  k2, v2 = k.at[1, 70:].add(3.0), v.at[1, 70:].add(3.0)    # row 1's second segment only
+  out = f(q, k2, v2)
+  np.testing.assert_array_equal(out[1, :70], base[1, :70])
+  assert not np.allclose(out[1, 70:], base[1, 70:])
+  k3, v3 = k.at[0, 100].add(5.0), v.at[0, 100].add(5.0)    # one later token in row 0
+  out = f(q, k3, v3)
+  np.testing.assert_array_equal(out[0, :100], base[0, :100])
+  assert not np.allclose(out[0, 100], base[0, 100])
+
+
+def test_attention_shape_errors_name_the_shapes():
+  q, k, v, _ = _qkv(2, 8, 6, 4, 16)    # 4 kv heads do not divide 6 query heads
+  with pytest.raises(ValueError, match=r"q \(2, 8, 6, 16\), k \(2, 8, 4, 16\)"):
+    cpu_attention.causal_attention(q, k, v, jnp.ones((2, 8), jnp.int32))
+  q, k, v, _ = _qkv(2, 8, 6, 3, 16)
+  with pytest.raises(ValueError, match=r"segment ids \(2, 7\), expected \(2, 8\)"):
+    cpu_attention.causal_attention(q, k, v, jnp.ones((2, 7), jnp.int32))
+
+
+def test_attention_usable_only_for_float32_on_mkl(fresh_kernels):
+  assert not cpu_attention.usable(jnp.bfloat16)
+  assert cpu_attention.usable(jnp.float32) == (X86_LINUX and jax.default_backend() == "cpu")
+  cpu_kernels.select("xla")
+  assert not cpu_attention.usable(jnp.float32)
+
+
+@needs_mkl
+def test_attention_under_a_device_mesh():
+  # The learner jits over a mesh (a CPU mesh in tests): XLA gathers the call's operands.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  B, T, H, K, h = 4, 96, 4, 2, 16
+  q, k, v, w = _qkv(B, T, H, K, h)
+  seg = jnp.ones((B, T), jnp.int32)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))   # noqa: E731
+  args = (put(q, P("data", None, "model")), put(k, P("data")), put(v, P("data")))
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, seg) * w)          # noqa: E731
+  got = jax.jit(jax.value_and_grad(loss(cpu_attention.causal_attention), (0, 1, 2)))(*args)
+  want = jax.value_and_grad(loss(lambda q, k, v, s: _xla_attention(q, k, v, s)), (0, 1, 2))(
+      q, k, v)
+  for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
