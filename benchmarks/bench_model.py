@@ -34,6 +34,16 @@ import numpy as np
 from flax import nnx
 
 
+def cpu_name() -> str:
+  """The CPU model ('AMD EPYC', 'Intel(R) Xeon(R) Platinum ...'): which kernels win depends on it
+  (rao_jax/model/cpu_kernels.py), so every result line names it."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+  except OSError:
+    return ""
+
+
 def log(*a):
   print(*a, file=sys.stderr, flush=True)
 
@@ -176,7 +186,7 @@ def main():
             "loss_ours": loss_ours, "loss_peer": loss_peer,
             "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
             "host_malloc_reuse": host_memory.in_effect(), "cpu_kernels": cpu_kernels.backend(),
-            **result}
+            "cpu": cpu_name(), **result}
   print(json.dumps(result))
 
 

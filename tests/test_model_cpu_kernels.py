@@ -16,11 +16,26 @@ def _hlo(fn, *args):
   return jax.jit(fn).lower(*args).as_text()
 
 
-def test_mkl_is_used_on_x86_linux():
-  # The product the package installs for (setup.py pulls mkl in on x86-64 Linux); a CI machine
-  # that silently fell back to XLA would otherwise pass every other test here.
+@pytest.fixture(autouse=True)
+def mkl_on_x86(fresh_kernels):
+  """The kernels under test on any x86-64 Linux CPU (``auto`` takes them on Intel only)."""
+  if X86_LINUX:
+    fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
+
+
+def test_auto_takes_mkl_on_intel_only(fresh_kernels):
+  # On an Intel CPU the package installs for (setup.py pulls mkl in on x86-64 Linux), auto must
+  # use the kernels: a CI machine that silently fell back to XLA would pass every other test.
   if not X86_LINUX:
-    pytest.skip("MKL path is x86-64 Linux only")
+    pytest.skip("MKL kernels are x86-64 Linux only")
+  fresh_kernels.setenv(cpu_kernels.ENV, "auto")
+  assert cpu_kernels.backend() == ("mkl" if cpu_kernels._cpu_vendor() == "GenuineIntel" else "xla")
+  for vendor, want in (("GenuineIntel", "mkl"), ("AuthenticAMD", "xla"), ("", "xla")):
+    fresh_kernels.setattr(cpu_kernels, "_cpu_vendor", lambda v=vendor: v)
+    cpu_kernels.ready.cache_clear()
+    assert cpu_kernels.backend() == want, vendor
+  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")        # asked for: used on any x86 CPU
+  cpu_kernels.ready.cache_clear()
   assert cpu_kernels.backend() == "mkl"
 
 
@@ -53,11 +68,14 @@ def test_missing_mkl_falls_back_or_fails_clearly(fresh_kernels, caplog):
   fresh_kernels.setattr(cpu_kernels, "_mkl_lib_dir", missing)
   fresh_kernels.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
   fresh_kernels.setattr(cpu_kernels.platform, "system", lambda: "Linux")
+  fresh_kernels.setattr(cpu_kernels, "_cpu_vendor", lambda: "GenuineIntel")
+  fresh_kernels.setenv(cpu_kernels.ENV, "auto")
   assert cpu_kernels.backend() == "xla"                  # auto: a warning, then XLA
   assert "pip install mkl" in caplog.text
   cpu_kernels.ready.cache_clear()
-  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")                   # asked for explicitly: an error
-  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="RAO_JAX_CPU_KERNELS=mkl.*pip install mkl"):
+  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")           # asked for explicitly: an error
+  with pytest.raises(cpu_kernels.CpuKernelsUnavailable,
+                     match="RAO_JAX_CPU_KERNELS=mkl.*pip install mkl"):
     cpu_kernels.backend()
 
 

@@ -12,6 +12,13 @@ from rao_jax.model import cpu_kernels, matmul
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
+@pytest.fixture(autouse=True)
+def mkl_on_x86(fresh_kernels):
+  """The kernels under test on any x86-64 Linux CPU (``auto`` takes them on Intel only)."""
+  if X86_LINUX:
+    fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
+
+
 def _hlo(fn, *args):
   return jax.jit(fn).lower(*args).as_text()
 

@@ -3,15 +3,17 @@
 ``csrc/`` holds XLA FFI handlers that run on XLA:CPU's intra-op thread pool and call
 single-threaded MKL: ``rao_mkl_gemm`` (the dense products of ``matmul.dense``) and
 ``rao_mkl_attention_fwd``/``_bwd`` (the training forward's causal attention,
-``cpu_attention.py``). On the SmolLM2 training step XLA:CPU's own dot kernels ran up to 30% below
-MKL (the peer, PyTorch, uses MKL too), and its attention spent more time in masks, softmax passes
-and transposed copies than in products (benchmarks/bench_cpu_kernels.py, bench_model.py).
+``cpu_attention.py``). On an Intel Xeon, XLA:CPU's own dot kernels ran the SmolLM2 training
+step's products up to 30% below MKL (the peer, PyTorch, uses MKL too), and its attention spent
+more time in masks, softmax passes and transposed copies than in products
+(benchmarks/bench_cpu_kernels.py, bench_model.py).
 
 The handlers are compiled once per machine on first use (a C++ compiler, ~10 s, for this CPU:
 ``-march=native``) into ``$XDG_CACHE_HOME/rao_jax`` (default ``~/.cache/rao_jax``) and linked
 against the ``mkl`` wheel. ``RAO_JAX_CPU_KERNELS`` chooses: ``auto`` (default: MKL where it can be
-built, else XLA's own ops with one warning naming the reason), ``mkl`` (an error if it cannot be
-built) or ``xla``. GPUs, TPUs and bfloat16 always use XLA's ops.
+built on an Intel CPU, else XLA's own ops; a failed build logs one warning naming the reason),
+``mkl`` (any x86 CPU; an error if it cannot be built) or ``xla``. On AMD CPUs MKL's sgemm ran at
+half of XLA's speed (``_cpu_vendor``). GPUs, TPUs and bfloat16 always use XLA's ops.
 """
 from __future__ import annotations
 
@@ -89,6 +91,23 @@ def _cpu_flags() -> bytes:
     return b""
 
 
+def _cpu_vendor() -> str:
+  """/proc/cpuinfo's vendor_id ('GenuineIntel', 'AuthenticAMD', ...), '' where unknown.
+
+  ``auto`` uses MKL on Intel CPUs only. Measured with benchmarks/bench_cpu_kernels.py on two
+  2-core machines: on a Sapphire Rapids Xeon MKL ran the SmolLM2 step's products 1.2-1.4x
+  faster than XLA:CPU and the whole 4 x 512 step 1.1x faster; on an AMD EPYC (Zen 5) MKL's
+  sgemm reached half of XLA's speed (176-200 against 342-443 GF/s) and the step took 10.9 s
+  against XLA's 6.2 s.
+  """
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((line.split(":", 1)[1].strip() for line in f
+                   if line.startswith("vendor_id")), "")
+  except OSError:
+    return ""
+
+
 def _sources() -> list[str]:
   return sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.cc")) +
                 glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
@@ -140,6 +159,10 @@ def ready() -> bool:
   """Whether the MKL kernels are registered (building them once); honours RAO_JAX_CPU_KERNELS."""
   mode = _mode()
   if mode == "xla":
+    return False
+  if mode == "auto" and _cpu_vendor() != "GenuineIntel":
+    logging.info("CPU products and attention use XLA's ops: MKL runs below XLA on %s CPUs "
+                 "(%s=mkl to use it anyway)", _cpu_vendor() or "non-Intel", ENV)
     return False
   try:
     lib = ctypes.cdll.LoadLibrary(_build())
