@@ -5,9 +5,10 @@
 by the handlers of ``csrc/mkl_attention.cc``: q, k, v and the output stay in the model's
 [B, T, heads, h] layout, the mask comes from the segment ids inside the softmax loop, and the
 backward pass recomputes the probabilities from the saved log-sum-exp (flash attention's
-scheme: nothing of size T x T is stored). On the 4 x 512 SmolLM2 training step it replaced XLA's
-masked, blocked attention (benchmarks/bench_model.py). ``usable`` says when it applies;
-elsewhere (GPU, TPU, bfloat16, RAO_JAX_CPU_KERNELS=xla) the model keeps XLA's version.
+scheme: nothing of size T x T is stored). In place of XLA's masked, blocked attention it made the
+4 x 512 SmolLM2 training step 3.5% faster (MKL's products in both; in-process A/B). ``usable``
+says when it applies; elsewhere (GPU, TPU, bfloat16, no MKL kernels: see cpu_kernels) the model
+keeps XLA's version.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 // Causal grouped-query attention over packed rows, forward and backward, float32, for
-// rao_jax/model/attention.py: XLA FFI handlers built from single-threaded MKL sgemm calls and
+// rao_jax/model/cpu_attention.py: XLA FFI handlers built from single-threaded MKL sgemm calls and
 // one fused masked-softmax loop, run over XLA's intra-op pool (parallel_for.h).
 //
-// Why a kernel: as XLA ops, the training step's attention cost more than PyTorch's fused SDPA
-// kernel, and most of that was not the products: the [B, T, T] mask broadcast and select, the
-// softmax passes, and transposed copies of q, k, v and the output (benchmarks/bench_model.py).
+// Why a kernel: as XLA ops, the training step's attention spent much of its time outside the
+// products: the [B, T, T] mask broadcast and select, the softmax passes, and transposed copies of
+// q, k, v and the output. Alone, one layer's forward+backward takes about as long as XLA's
+// (benchmarks/bench_cpu_kernels.py); inside the whole step, which also runs the transposes and
+// the mask, the step ran 3.5% faster (AMD EPYC, MKL forced; in-process A/B, 4 rounds).
 // Here q, k, v and the output stay in the model's [B, T, heads, h] layout (the products read
 // them with a row stride), the mask is computed from the segment ids inside the softmax loop,
 // and the probabilities are never stored: the backward pass recomputes them block by block
@@ -81,6 +83,19 @@ void MaskedSoftmax(float* s, int64_t rows, int64_t n, int64_t a, const int32_t* 
   }
 }
 
+// s[rows, a + rows] <- the probabilities of queries [a, a + rows) of (row b, head hd) over keys
+// [0, a + rows): scale q k^T, then the masked softmax (see MaskedSoftmax for lse/lse_out).
+void Probabilities(const Dims& d, const float* q, const float* k, const int32_t* seg, int64_t b,
+                   int64_t hd, int64_t a, int64_t rows, float scale, const float* lse,
+                   float* lse_out, float* s) {
+  const int64_t n = a + rows, kv = hd / (d.H / d.K);
+  const float* q_rows = q + ((b * d.T + a) * d.H + hd) * d.h;
+  const float* k_rows = k + (b * d.T * d.K + kv) * d.h;
+  cblas_sgemm(kRowMajor, kNoTrans, kTrans, rows, n, d.h, scale, q_rows, d.H * d.h, k_rows,
+              d.K * d.h, 0.0f, s, n);
+  MaskedSoftmax(s, rows, n, a, seg + b * d.T, lse, lse_out, 1);
+}
+
 thread_local std::vector<float> tls_s, tls_dp;
 
 // out[b, i, hd] = softmax(scale q k^T + mask) v; lse[b, hd, i] its log-sum-exp.
@@ -101,14 +116,9 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     const int64_t a = blk * kQueryBlock, rows = std::min(T, a + kQueryBlock) - a, n = a + rows;
     const int64_t kv = hd / g;
     float* s = Scratch(tls_s, rows * n);
-    const float* qa = pq + ((b * T + a) * H + hd) * h;
-    const float* kb = pk + (b * T * K + kv) * h;
-    const float* vb = pv + (b * T * K + kv) * h;
-    cblas_sgemm(kRowMajor, kNoTrans, kTrans, rows, n, h, scale, qa, H * h, kb, K * h, 0.0f, s,
-                n);
-    MaskedSoftmax(s, rows, n, a, ps + b * T, nullptr, pl + (b * H + hd) * T + a, 1);
-    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, rows, h, n, 1.0f, s, n, vb, K * h, 0.0f,
-                po + ((b * T + a) * H + hd) * h, H * h);
+    Probabilities(d, pq, pk, ps, b, hd, a, rows, scale, nullptr, pl + (b * H + hd) * T + a, s);
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, rows, h, n, 1.0f, s, n,
+                pv + (b * T * K + kv) * h, K * h, 0.0f, po + ((b * T + a) * H + hd) * h, H * h);
   });
   return ffi::Error::Success();
 }
@@ -124,6 +134,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   Dims d;
   if (auto e = CheckDims("rao_mkl_attention_bwd", q, k, v, seg, &d); e.failure()) return e;
   const int64_t B = d.B, T = d.T, H = d.H, K = d.K, h = d.h, g = H / K;
+  auto dl = lse.dimensions();
+  bool ok = dl.size() == 3 && dl[0] == B && dl[1] == H && dl[2] == T;
+  for (auto dims : {out.dimensions(), d_out.dimensions(), dq->dimensions(),
+                    dk_heads->dimensions(), dv_heads->dimensions()}) {
+    ok = ok && dims.size() == 4 && dims[0] == B && dims[1] == T && dims[2] == H && dims[3] == h;
+  }
+  if (!ok) return ffi::Error::InvalidArgument("rao_mkl_attention_bwd: shapes do not match");
   const float *pq = q.typed_data(), *pk = k.typed_data(), *pv = v.typed_data();
   const float *po = out.typed_data(), *pl = lse.typed_data(), *pdo = d_out.typed_data();
   const int32_t* ps = seg.typed_data();
@@ -147,9 +164,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       float* s = Scratch(tls_s, rows * n);
       float* dp = Scratch(tls_dp, rows * n);
       // P, recomputed from the saved log-sum-exp.
-      cblas_sgemm(kRowMajor, kNoTrans, kTrans, rows, n, h, scale, qa, H * h, kb, K * h, 0.0f,
-                  s, n);
-      MaskedSoftmax(s, rows, n, a, ps + b * T, pl + (b * H + hd) * T + a, nullptr, 1);
+      Probabilities(d, pq, pk, ps, b, hd, a, rows, scale, pl + (b * H + hd) * T + a, nullptr, s);
       // dP = dO V^T; dS = P (dP - rowsum(dO * O)).
       cblas_sgemm(kRowMajor, kNoTrans, kTrans, rows, n, h, 1.0f, doa, H * h, vb, K * h, 0.0f,
                   dp, n);

@@ -33,9 +33,9 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
   const float* pb = b.typed_data();
   float* pc = c->typed_data();
   // One chunk per thread, cut along the longer side of C. Each chunk's sgemm packs the whole
-  // other operand again, so more, smaller chunks cost more than they balance: cutting the
-  // 576 rows of a [576, 1536] weight gradient into eight (over a 2048-long reduction) ran at a
-  // third of MKL's speed inside the training step.
+  // other operand again, so more, smaller chunks cost more than they balance: with up to eight
+  // row chunks (the 576 rows of a [576, 1536] weight gradient in 72-row pieces, each repacking
+  // a 2048 x 1536 operand) the 4 x 512 SmolLM2 step took 4.5% longer (in-process A/B).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const bool by_rows = m >= n;
   const int64_t side = by_rows ? m : n;
