@@ -45,7 +45,7 @@ def _alternate(fns, args, rounds, reps):
   for _ in range(rounds):
     for side, fn in fns.items():
       jax.block_until_ready(fn(*args))
-      times[side].extend(timed(lambda: jax.block_until_ready(fn(*args)))[0]
+      times[side].extend(timed(lambda: jax.block_until_ready(fn(*args)), 0)[0]
                          for _ in range(reps))
   return {side: statistics.median(t) for side, t in times.items()}
 

@@ -8,6 +8,12 @@ and 2-2.5 s of kernel time per step on a 2-core machine (benchmarks/bench_model.
 (0 faults). All threads then share one arena: a thread's own arena cannot grow past 64 MB and
 would fall back to ``mmap``.
 
+XLA:CPU frees a run's temporaries on its own thread just after the outputs are ready, so a step
+dispatched the instant the previous one returns can find its block still held and grow the heap
+by another (one more 0.6M-fault step, and the heap holds two blocks from then on). Measured on
+the step above, 8 back-to-back steps: 3 such steps and 9.4 GB resident; with 0.3 s of host work
+between steps (rollouts, in training): none, 4.3 GB.
+
 The cost: the process keeps its peak heap for its lifetime (a training process does anyway).
 ``import rao_jax`` applies it once, before JAX starts its threads; set
 ``RAO_JAX_SYSTEM_MALLOC=1`` to keep glibc's defaults. A no-op off glibc.
