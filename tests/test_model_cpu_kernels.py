@@ -190,3 +190,10 @@ def test_attention_under_a_device_mesh():
       q, k, v)
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_without_the_kernels_says_so(fresh_kernels):
+  cpu_kernels.select("xla")
+  q, k, v, _ = _qkv(1, 8, 2, 1, 8)
+  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="RAO_JAX_CPU_KERNELS=xla"):
+    cpu_attention.causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32))

@@ -100,7 +100,8 @@ class ModelConfig:
     logits_chunk: tokens per chunk in ``token_logprobs`` (bounds the [chunk, V] float32 buffer).
     attention_block: queries per block in the full forward's causal attention: the queries of
       block [a, a + n) only meet keys [0, a + n), so the masked upper triangle is mostly never
-      computed (at 4 x 512 on CPU, n=128 made attention forward+backward 1.7x faster).
+      computed (at 4 x 512 on CPU, n=128 made attention forward+backward 1.7x faster). XLA's
+      attention only: the MKL kernel (cpu_attention) blocks by 64 queries on its own.
     bos_token_id, eos_token_id, pad_token_id: ids written to an exported ``config.json``.
   """
   vocab_size: int

@@ -6,11 +6,14 @@ by the handlers of ``csrc/mkl_attention.cc``: q, k, v and the output stay in the
 [B, T, heads, h] layout, the mask comes from the segment ids inside the softmax loop, and the
 backward pass recomputes the probabilities from the saved log-sum-exp (flash attention's
 scheme: nothing of size T x T is stored). In place of XLA's masked, blocked attention it made the
-4 x 512 SmolLM2 training step 3.5% faster (MKL's products in both; in-process A/B). ``usable``
+4 x 512 SmolLM2 training step 3.5% faster (MKL's products in both; in-process A/B on an AMD
+EPYC with RAO_JAX_CPU_KERNELS=mkl). ``usable``
 says when it applies; elsewhere (GPU, TPU, bfloat16, no MKL kernels: see cpu_kernels) the model
 keeps XLA's version.
 """
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +84,8 @@ def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT):
     raise ValueError(f"causal_attention: segment ids {segment_ids_BxT.shape}, expected {(B, T)}")
   if not cpu_kernels.ready():
     raise cpu_kernels.CpuKernelsUnavailable(
-        f"causal_attention needs the MKL kernels ({cpu_kernels.ENV}="
-        f"{cpu_kernels.backend()}; see the warning logged above); check cpu_attention.usable()")
+        f"causal_attention needs the MKL kernels, which are off in this process "
+        f"({cpu_kernels.ENV}={os.environ.get(cpu_kernels.ENV, 'auto')}: 'auto' uses them on "
+        f"Intel CPUs only, and a failed build is logged); call it where usable(dtype) is True")
   return _attention(q_BxTxHxh.astype(jnp.float32), k_BxTxKxh.astype(jnp.float32),
                     v_BxTxKxh.astype(jnp.float32), segment_ids_BxT.astype(jnp.int32))
