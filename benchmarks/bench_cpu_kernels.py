@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_model import cpu_name, log, make_ours, timed   # noqa: E402  (a sibling script)
+from bench_model import log, make_ours, timed   # noqa: E402  (a sibling script)
 
 # (M, K, N, trans_a, trans_b) of C[M, N] = op(A)[M, K] op(B)[K, N] in the 4 x 512 SmolLM2
 # step: MLP up/gate, MLP down, its input gradient, the MLP's weight gradients (reductions over
@@ -86,7 +86,7 @@ def main():
   args = parser.parse_args()
   from rao_jax.model import cpu_kernels, load_model, matmul
   result = {"benchmark": "cpu_kernels_mkl_vs_xla", "batch": args.batch, "seq": args.seq,
-            "cpu": cpu_name()}
+            "cpu": cpu_kernels.cpuinfo("model name")}
   rng = np.random.default_rng(0)
   for m, k, n, ta, tb in SHAPES:
     a = jnp.asarray(rng.standard_normal((k, m) if ta else (m, k)), jnp.float32)

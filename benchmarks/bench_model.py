@@ -12,9 +12,11 @@ PyTorch step is 20-25% slower than after one of ours (both frameworks share the 
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
 steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_kernels``
 says which kernels ran our float32 products and attention (``mkl`` or ``xla``:
-rao_jax/model/cpu_kernels.py; set ``RAO_JAX_CPU_KERNELS=xla`` to time XLA's own). ``*_faults_max``: the most page faults one steady
-step took; a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
-rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last stdout line is JSON.
+rao_jax/model/cpu_kernels.py; set ``RAO_JAX_CPU_KERNELS=xla`` to time XLA's own), ``cpu`` the
+CPU model they were chosen for. ``*_faults_max``: the most page faults one steady step took;
+a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
+rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last
+stdout line is JSON.
 
     python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
 """
@@ -32,16 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-
-def cpu_name() -> str:
-  """The CPU model ('AMD EPYC', 'Intel(R) Xeon(R) Platinum ...'): which kernels win depends on it
-  (rao_jax/model/cpu_kernels.py), so every result line names it."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-  except OSError:
-    return ""
 
 
 def log(*a):
@@ -196,7 +188,7 @@ def main():
             "loss_ours": loss_ours, "loss_peer": loss_peer,
             "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
             "host_malloc_reuse": host_memory.in_effect(), "cpu_kernels": cpu_kernels.backend(),
-            "cpu": cpu_name(), **result}
+            "cpu": cpu_kernels.cpuinfo("model name"), **result}
   print(json.dumps(result))
 
 

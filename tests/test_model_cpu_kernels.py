@@ -39,6 +39,13 @@ def test_auto_takes_mkl_on_intel_only(fresh_kernels):
   assert cpu_kernels.backend() == "mkl"
 
 
+def test_cpuinfo_reads_fields_and_names_nothing_it_lacks():
+  if X86_LINUX:
+    assert cpu_kernels.cpuinfo("vendor_id") in ("GenuineIntel", "AuthenticAMD", "HygonGenuine")
+    assert "sse2" in cpu_kernels.cpuinfo("flags").split()
+  assert cpu_kernels.cpuinfo("no such field") == ""
+
+
 def test_env_xla_turns_it_off_and_bad_value_is_named(fresh_kernels):
   fresh_kernels.setenv(cpu_kernels.ENV, "xla")
   a = jnp.ones((128, 64), jnp.float32)

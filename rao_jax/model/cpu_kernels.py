@@ -81,14 +81,15 @@ def _cache_dir() -> str:
   return os.path.join(root, "rao_jax")
 
 
-def _cpu_flags() -> bytes:
-  # Part of the cache key: the library is built for this CPU (-march=native), and a home folder
-  # shared by machines with other CPUs must not load it there.
+def cpuinfo(field: str) -> str:
+  """The first value of ``field`` in /proc/cpuinfo ('vendor_id', 'model name', 'flags'); '' where
+  there is none (not Linux, or a container that hides it)."""
   try:
-    with open("/proc/cpuinfo", "rb") as f:
-      return next((line for line in f if line.startswith(b"flags")), b"")
+    with open("/proc/cpuinfo") as f:
+      return next((line.split(":", 1)[1].strip() for line in f
+                   if line.split(":", 1)[0].strip() == field), "")
   except OSError:
-    return b""
+    return ""
 
 
 def _cpu_vendor() -> str:
@@ -100,12 +101,7 @@ def _cpu_vendor() -> str:
   sgemm reached half of XLA's speed (176-200 against 342-443 GF/s) and the step took 10.9 s
   against XLA's 6.2 s.
   """
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((line.split(":", 1)[1].strip() for line in f
-                   if line.startswith("vendor_id")), "")
-  except OSError:
-    return ""
+  return cpuinfo("vendor_id")
 
 
 def _sources() -> list[str]:
@@ -124,7 +120,9 @@ def _build() -> str:
   if not cxx:
     raise CpuKernelsUnavailable("no C++ compiler found (apt-get install g++, or set CXX)")
   sources = _sources()
-  parts = [jax.__version__.encode(), lib_dir.encode(), cxx.encode(), _cpu_flags(),
+  # The CPU's flags are part of the key: the library is built for this CPU (-march=native), and
+  # a home folder shared by machines with other CPUs must not load it there.
+  parts = [jax.__version__.encode(), lib_dir.encode(), cxx.encode(), cpuinfo("flags").encode(),
            *(l.encode() for l in libs)]
   for path in sources:
     with open(path, "rb") as f:
@@ -160,9 +158,10 @@ def ready() -> bool:
   mode = _mode()
   if mode == "xla":
     return False
-  if mode == "auto" and _cpu_vendor() != "GenuineIntel":
+  vendor = _cpu_vendor()
+  if mode == "auto" and vendor != "GenuineIntel":
     logging.info("CPU products and attention use XLA's ops: MKL runs below XLA on %s CPUs "
-                 "(%s=mkl to use it anyway)", _cpu_vendor() or "non-Intel", ENV)
+                 "(%s=mkl to use it anyway)", vendor or "non-Intel", ENV)
     return False
   try:
     lib = ctypes.cdll.LoadLibrary(_build())

@@ -2,9 +2,9 @@
 
 ``dense(a, b, trans_a, trans_b)`` is ``op(a) @ op(b)``. On CPU in float32 with both sides of
 the result at least ``MIN_ROWS`` long it calls MKL's ``cblas_sgemm`` through an XLA FFI handler
-(``csrc/mkl_gemm.cc``; built and chosen by ``cpu_kernels``, ``RAO_JAX_CPU_KERNELS``). On the
-SmolLM2 training step's product shapes XLA:CPU's own kernels ran up to 30% below MKL
-(benchmarks/bench_cpu_kernels.py). Anywhere else (GPU, TPU, bfloat16, decode-sized products) it is
+(``csrc/mkl_gemm.cc``; built and chosen by ``cpu_kernels``, ``RAO_JAX_CPU_KERNELS``: Intel CPUs
+by default). On an Intel Xeon, XLA:CPU's own kernels ran the SmolLM2 training step's product
+shapes up to 30% below MKL (benchmarks/bench_cpu_kernels.py). Anywhere else (GPU, TPU, bfloat16, decode-sized products) it is
 ``jax.lax.dot_general``; results agree to float32 rounding. Under a CPU device mesh (tests) XLA
 gathers the call's sharded operands first: correct, not fast.
 """

@@ -1,6 +1,7 @@
 // C[M, N] = op(A) op(B) in float32, row-major, with MKL's sgemm: an XLA FFI handler for
-// rao_jax/model/matmul.py. Why MKL: on x86 CPUs its sgemm runs most of the model's products
-// up to 30% faster than XLA:CPU's own dot kernels (benchmarks/bench_cpu_kernels.py).
+// rao_jax/model/matmul.py. Why MKL: on an Intel Xeon its sgemm ran most of the model's products
+// up to 30% faster than XLA:CPU's own dot kernels (benchmarks/bench_cpu_kernels.py; on AMD it
+// ran at half XLA's speed, so cpu_kernels.py uses it on Intel CPUs only).
 //
 // C is cut into chunks run by parallel_for.h over XLA's intra-op pool, each a single-threaded
 // sgemm (linked against mkl_sequential).
