@@ -128,10 +128,19 @@ def _dtype(name: str):
 
 
 def load_policy(config):
-  """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder)."""
+  """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder).
+
+  Mixed precision: the weights load in float32 (the learner's master weights; it keeps AdamW's
+  moments in float32 too) and the model computes in `config.model.dtype` ("auto": bfloat16 on
+  GPU/TPU). The rollout engine takes its own copies in the compute dtype.
+  """
+  from rao_jax import host_memory  # pylint: disable=g-import-not-at-top
+  # The first call that starts JAX's backends in every entry point: malloc is set before it,
+  # and only where the CPU computes (see rao_jax/host_memory.py).
+  host_memory.keep_freed_memory()
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
   return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype),
-                         remat=config.model.remat)
+                         param_dtype="float32", remat=config.model.remat)
 
 
 def make_mesh(spec: str):
