@@ -24,8 +24,6 @@ Dimension legend, used in array names (``logits_BxTxV``) and einsum strings ever
 
 __version__ = "0.1.0"
 
-# Before JAX starts its threads: XLA:CPU's per-step temporaries are then reused, not re-faulted
-# from the OS every step (see rao_jax/host_memory.py; RAO_JAX_SYSTEM_MALLOC=1 opts out).
-from rao_jax import host_memory as _host_memory
-
-_host_memory.keep_freed_memory()
+# Importing the package changes nothing in the process. Where XLA:CPU computes, entry points
+# call rao_jax.host_memory.keep_freed_memory() before JAX starts its threads (malloc keeps
+# freed blocks for the next step instead of re-faulting them from the OS).

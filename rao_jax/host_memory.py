@@ -15,14 +15,21 @@ the step above, 8 back-to-back steps: 3 such steps and 9.4 GB resident; with 0.3
 between steps (rollouts, in training): none, 4.3 GB.
 
 The cost: the process keeps its peak heap for its lifetime (a training process does anyway).
-``import rao_jax`` applies it once, before JAX starts its threads; set
-``RAO_JAX_SYSTEM_MALLOC=1`` to keep glibc's defaults. A no-op off glibc.
+It pays only where XLA:CPU computes: on a GPU or TPU host the step's temporaries live on the
+device, and a host that keeps every freed block would only hold more memory. So nothing happens
+at import (``import rao_jax`` leaves the process as it was); an entry point calls
+``keep_freed_memory()`` before JAX starts its threads (``rao_jax.experiment.load_policy`` does,
+the CPU benchmarks do), and it changes malloc only when the CPU is the compute backend
+(``cpu_is_compute_backend``). Set ``RAO_JAX_SYSTEM_MALLOC=1`` to keep glibc's defaults
+everywhere. A no-op off glibc.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
 import os
+import sys
 
 # mallopt(3) parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -33,15 +40,56 @@ OPT_OUT_ENV = "RAO_JAX_SYSTEM_MALLOC"
 _state = {"applied": False}
 
 
+# Distributions that give JAX a GPU or TPU backend (PJRT plugins and libtpu).
+_ACCELERATOR_DISTS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-cuda12-pjrt",
+                      "jax-cuda13-pjrt", "jax-rocm60-plugin", "jax-rocm7-plugin", "libtpu",
+                      "libtpu-nightly", "jax-tpu")
+
+
+def _installed(dist: str) -> bool:
+  try:
+    importlib.metadata.distribution(dist)
+    return True
+  except importlib.metadata.PackageNotFoundError:
+    return False
+
+
+def cpu_is_compute_backend() -> bool:
+  """Whether JAX computes on the CPU in this process, decided without starting a backend.
+
+  Once JAX has started its backends, their choice decides (``jax.default_backend()``).
+  Before that (when this matters: malloc must be set before JAX starts its threads), the
+  platforms JAX is told to use decide (``JAX_PLATFORMS`` or ``jax.config.jax_platforms``: the
+  first one listed is the default backend); else the CPU is the backend exactly when no GPU or
+  TPU plugin is installed (JAX prefers an accelerator whenever one initialises).
+  """
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    from jax._src import xla_bridge   # pylint: disable=g-import-not-at-top
+    if xla_bridge.backends_are_initialized():
+      return jax.default_backend() == "cpu"
+    platforms = jax.config.jax_platforms or ""
+  else:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms.strip():
+    return platforms.split(",")[0].strip().lower() == "cpu"
+  return not any(_installed(d) for d in _ACCELERATOR_DISTS)
+
+
 def keep_freed_memory() -> bool:
   """Configures glibc malloc to keep and reuse freed memory; True when it is in effect.
 
-  Idempotent. Returns False (changing nothing) when ``RAO_JAX_SYSTEM_MALLOC`` is set to a
-  non-empty value other than "0", or when the C library is not glibc.
+  Call it before JAX starts its backends (before the first array or device query): the setting
+  that keeps one malloc arena cannot take back arenas that threads already own. Idempotent.
+  Returns False, changing nothing, when the CPU is not the compute backend
+  (``cpu_is_compute_backend``), when ``RAO_JAX_SYSTEM_MALLOC`` is set to a non-empty value
+  other than "0", or when the C library is not glibc.
   """
   if _state["applied"]:
     return True
   if os.environ.get(OPT_OUT_ENV, "0") not in ("", "0"):
+    return False
+  if not cpu_is_compute_backend():
     return False
   name = ctypes.util.find_library("c")
   try:

@@ -1,4 +1,5 @@
-"""rao_jax.host_memory: freed big blocks are reused, not re-faulted from the OS (real processes)."""
+"""rao_jax.host_memory: freed big blocks are reused, not re-faulted from the OS (real processes),
+only where the CPU computes and only when an entry point asks (importing rao_jax changes nothing)."""
 import json
 import os
 import subprocess
@@ -8,9 +9,11 @@ import pytest
 
 _PROBE = r"""
 import json, os, resource
-import numpy as np
 import rao_jax
 from rao_jax import host_memory
+after_import = host_memory.in_effect()
+applied = host_memory.keep_freed_memory()   # as an entry point does, before its heavy imports
+import numpy as np
 
 def rss_mb():
   with open("/proc/self/statm") as f:
@@ -27,7 +30,8 @@ def touch_and_free_block():
 
 touch_and_free_block()
 faults, released_mb = touch_and_free_block()
-print(json.dumps({"in_effect": host_memory.in_effect(), "faults": faults,
+print(json.dumps({"after_import": after_import, "applied": applied,
+                  "in_effect": host_memory.in_effect(), "faults": faults,
                   "released_mb": released_mb}))
 """
 
@@ -39,11 +43,16 @@ def _probe(**env):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
-def test_import_keeps_freed_memory_for_reuse():
-  reused = _probe(RAO_JAX_SYSTEM_MALLOC="0")
-  assert reused["in_effect"], reused
+def test_keep_freed_memory_reuses_blocks_on_cpu_only():
+  reused = _probe(RAO_JAX_SYSTEM_MALLOC="0", JAX_PLATFORMS="cpu")
+  assert not reused["after_import"], reused    # importing the package changed nothing
+  assert reused["applied"] and reused["in_effect"], reused
   # The freed block stays with the process, and the next one is served from it: no new pages.
   assert reused["released_mb"] < 8 and reused["faults"] < 100, reused
-  system = _probe(RAO_JAX_SYSTEM_MALLOC="1")   # the opt-out keeps glibc's behaviour:
-  assert not system["in_effect"], system
+  system = _probe(RAO_JAX_SYSTEM_MALLOC="1", JAX_PLATFORMS="cpu")   # the opt-out keeps
+  assert not system["in_effect"], system                             # glibc's behaviour:
   assert system["released_mb"] > 56, system    # unmapped on free, mapped afresh next time
+  # A process whose compute backend is a GPU (or TPU) keeps glibc's defaults too.
+  gpu = _probe(RAO_JAX_SYSTEM_MALLOC="0", JAX_PLATFORMS="cuda,cpu")
+  assert not gpu["applied"] and not gpu["in_effect"], gpu
+  assert gpu["released_mb"] > 56, gpu
