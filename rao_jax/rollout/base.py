@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import operator
 from typing import Sequence
 
 
@@ -21,13 +22,36 @@ class FinishReason(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Sampling parameters. temperature 0 means greedy."""
+  """Sampling parameters (SGLang's names and defaults). temperature 0 means greedy.
+
+  Attributes:
+    temperature: softmax temperature; 0 = greedy (argmax).
+    top_p: nucleus mass in (0, 1]; 1 = off.
+    top_k: keep the k most likely tokens; -1 = the whole vocabulary.
+    min_p: drop tokens whose probability is below min_p times the most likely one's; 0 = off.
+    max_new_tokens: tokens to generate at most.
+    stop_token_ids: ids that end generation (the matched id is kept in the output). None (the
+      default) means the engine's default stop ids: the tokenizer's end-of-turn and
+      end-of-text tokens when the engine was given them (``EmbeddedEngine(...,
+      default_stop_token_ids=tokenizer.stop_token_ids)``; SGLang servers stop at EOS). An
+      explicit tuple means exactly those ids; ``()`` never stops early.
+    seed: per-request sampling seed (None: the engine draws one).
+    frequency_penalty: subtracted from a token's logit once per time it was generated before.
+    presence_penalty: subtracted from the logit of every token generated before.
+    repetition_penalty: divides positive (multiplies negative) logits of tokens generated
+      before; 1 = off. The penalties see the generated tokens only, as SGLang's penalizers do,
+      and apply before temperature (the reported logprobs include them).
+  """
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = -1               # -1: the whole vocabulary
   max_new_tokens: int = 128
-  stop_token_ids: tuple[int, ...] = ()
+  stop_token_ids: tuple[int, ...] | None = None
   seed: int | None = None
+  min_p: float = 0.0
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  repetition_penalty: float = 1.0
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -38,6 +62,30 @@ class SamplingParams:
       raise ValueError(f"SamplingParams.top_k={self.top_k!r}: use -1 for all tokens or a positive int.")
     if self.max_new_tokens < 1:
       raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be >= 1.")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"SamplingParams.min_p={self.min_p!r}: must be in [0, 1] (0 = off).")
+    for name in ("frequency_penalty", "presence_penalty"):
+      if not -2 <= getattr(self, name) <= 2:
+        raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: must be in [-2, 2] "
+                         "(0 = off).")
+    if not 0 < self.repetition_penalty <= 2:
+      raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty!r}: must be "
+                       "in (0, 2] (1 = off).")
+    if self.stop_token_ids is not None:
+      try:
+        ids = tuple(operator.index(t) for t in self.stop_token_ids)
+      except TypeError:
+        ids = (-1,)
+      if any(t < 0 for t in ids):
+        raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be None "
+                         "(the engine's defaults) or a tuple of non-negative ints.")
+      object.__setattr__(self, "stop_token_ids", ids)
+
+  @property
+  def penalized(self) -> bool:
+    """Whether any repetition-type penalty is on."""
+    return (self.frequency_penalty != 0 or self.presence_penalty != 0
+            or self.repetition_penalty != 1)
 
 
 @dataclasses.dataclass(frozen=True)

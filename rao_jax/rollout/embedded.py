@@ -73,6 +73,9 @@ class EngineConfig:
     shrink_patience: scheduler iterations the needed cache length must stay at most half the
       current one before the cache shrinks (avoids resizing back and forth).
     seed: base of the per-request seeds drawn for requests that give none.
+    default_stop_token_ids: the stop ids of requests whose ``SamplingParams.stop_token_ids``
+      is None (the default): give the tokenizer's ``stop_token_ids`` (end of turn, end of
+      text) so generation ends where users expect; () = such requests never stop early.
   """
   num_slots: int = 16
   max_len: int = 2048
@@ -86,6 +89,7 @@ class EngineConfig:
   decode_steps: int = 1
   shrink_patience: int = 32
   seed: int = 0
+  default_stop_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     def ascending(name, vals):
@@ -96,6 +100,14 @@ class EngineConfig:
       object.__setattr__(self, name, vals)
       return vals
 
+    try:
+      stops = tuple(int(t) for t in self.default_stop_token_ids)
+    except (TypeError, ValueError):
+      stops = (-1,)
+    if any(t < 0 for t in stops):
+      raise ValueError(f"EngineConfig.default_stop_token_ids={self.default_stop_token_ids!r}: "
+                       "must be a tuple of token ids (non-negative ints).")
+    object.__setattr__(self, "default_stop_token_ids", tuple(dict.fromkeys(stops)))
     for name in ("num_slots", "max_len", "min_cache_len", "decode_steps", "shrink_patience"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1.")
@@ -192,34 +204,67 @@ def _prefill(fns, params, cache, rows_P, tokens_PxC, start_P, n_valid_P):
 
 
 @jax.jit
-def _sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P):
+def _sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P, min_p_P):
   _TRACE_COUNTS["sample"] += 1
-  return sampling.sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P)
+  return sampling.sample(logits_PxV, temperature_P, top_p_P, top_k_P, seeds_P, positions_P,
+                         min_p_P)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _score(fns, chunk, top_k, params, cache, tokens_1xT, temperature):
+  """Next-token log-probs (and top-k alternatives) at every position of one sequence.
+
+  One prefill of the whole (padded) sequence into a fresh cache; the vocabulary projection
+  runs ``chunk`` positions at a time so no [T, V] float32 block is materialised at once.
+  """
+  _TRACE_COUNTS["score"] += 1
+  T = tokens_1xT.shape[1]
+  positions_1xT = jnp.arange(T, dtype=jnp.int32)[None]
+  hidden_1xTxD, _ = fns(params, tokens_1xT, positions_1xT, cache, jnp.zeros((1,), jnp.int32))
+  targets_T = jnp.concatenate([tokens_1xT[0, 1:], jnp.zeros((1,), tokens_1xT.dtype)])
+  hidden_NxCxD = hidden_1xTxD[0].reshape(T // chunk, chunk, -1)
+
+  def one(args):
+    h_CxD, tgt_C = args
+    logits_CxV = fns.logits(params, h_CxD[None])[0]
+    return sampling.score_chunk(logits_CxV, tgt_C, temperature, top_k)
+  lp_NxC, top_lp, top_id = jax.lax.map(one, (hidden_NxCxD, targets_T.reshape(T // chunk, chunk)))
+  return (lp_NxC.reshape(T), top_lp.reshape(T, top_k), top_id.reshape(T, top_k))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def _decode(fns, n_steps, params, cache, tokens_R, lengths_R, active_R,
-            temperature_R, top_p_R, top_k_R, seeds_R):
+            temperature_R, top_p_R, top_k_R, seeds_R, min_p_R, penalties=None):
   """n_steps decode steps over the first R slots of the cache.
 
   Inactive rows (free, idle sessions, mid-prefill) stay in place: they write garbage just past
   their own length, which the next real write there overwrites and nothing reads.
+
+  ``penalties`` is None (the common case: no penalty code in the program) or
+  (counts_RxV, frequency_R, presence_R, repetition_R); the counts of generated tokens are
+  carried through the steps. A batch with penalties compiles its own program once.
   """
   _TRACE_COUNTS["decode"] += 1
   # fns runs on the first R rows of the larger cache in place: no slice, no copy.
 
   def step(carry, _):
-    cache, tok_R, len_R = carry
+    cache, tok_R, len_R, counts_RxV = carry
     hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R)
     logits_RxV = fns.logits(params, hidden_Rx1xD)[:, 0]
+    if penalties is not None:
+      logits_RxV = sampling.apply_penalties(logits_RxV, counts_RxV, *penalties[1:])
     new_R, logp_R = sampling.sample(logits_RxV, temperature_R, top_p_R, top_k_R, seeds_R,
-                                    len_R + 1)
+                                    len_R + 1, min_p_R)
+    if penalties is not None:
+      counts_RxV = counts_RxV.at[jnp.arange(new_R.shape[0]), new_R].add(
+          active_R.astype(counts_RxV.dtype))
     tok_R = jnp.where(active_R, new_R, tok_R)
     len_R = len_R + active_R.astype(jnp.int32)
-    return (cache, tok_R, len_R), (new_R, logp_R)
+    return (cache, tok_R, len_R, counts_RxV), (new_R, logp_R)
 
-  (cache, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
-      step, (cache, tokens_R, lengths_R), None, length=n_steps)
+  counts0 = penalties[0] if penalties is not None else None
+  (cache, _, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
+      step, (cache, tokens_R, lengths_R, counts0), None, length=n_steps)
   return cache, toks_NxR.T, logps_NxR.T
 
 
@@ -254,6 +299,7 @@ class _Req:
   stop_ids: frozenset
   loop: asyncio.AbstractEventLoop
   future: asyncio.Future
+  on_token: Any = None
   out: list[int] = dataclasses.field(default_factory=list)
   logps: list[float] = dataclasses.field(default_factory=list)
   slot: int | None = None
@@ -316,6 +362,7 @@ class EmbeddedEngine(Engine):
     c = config
     self._prefill_fn = functools.partial(_prefill, fns)
     self._decode_fn = functools.partial(_decode, fns, c.decode_steps)
+    self._score_fn = functools.partial(_score, fns)
     self._resize_fns = {n: functools.partial(_resize, self._len_axes, n) for n in c.cache_lens}
     self._cache_len = c.cache_lens[0]
     self._cache = model.init_cache(batch_size=c.num_slots, max_len=self._cache_len)
@@ -351,9 +398,19 @@ class EmbeddedEngine(Engine):
     with self._cv:
       return len(self._by_rid)
 
-  async def generate(self, request: GenerateRequest) -> GenerateResult:
-    """Generates a continuation of ``request.prompt_ids``; see GenerateRequest."""
+  async def generate(self, request: GenerateRequest, *, on_token=None) -> GenerateResult:
+    """Generates a continuation of ``request.prompt_ids``; see GenerateRequest.
+
+    Args:
+      request: the request.
+      on_token: optional ``fn(token_ids, logprobs) -> bool`` called on the engine's scheduler
+        thread after every generated token with the output so far (the lists are the
+        engine's: copy what you keep). Returning True ends the request with
+        FinishReason.STOP (the server uses it for stop strings and streaming). It must be
+        quick and must not block; if it raises, the request is aborted with the error.
+    """
     req = self._make_req(request)
+    req.on_token = on_token
     if req.done:     # answered at admission (e.g. the prompt already fills the context)
       return req.future.result()
     with self._cv:
@@ -449,6 +506,13 @@ class EmbeddedEngine(Engine):
       raise TimeoutError(f"update_weights(version={version!r}) was not applied within "
                          f"{timeout} s; is the scheduler paused?")
 
+  def set_weight_version(self, version: int | str, timeout: float | None = 60.0) -> None:
+    """Relabels the current weights (SGLang's /update_weight_version); results finished from
+    now on carry ``version``. The weights and kept sessions are unchanged."""
+    def relabel():
+      self._version = version
+    self._control(relabel).result(timeout)
+
   def warmup(self, max_cache_len: int | None = None, verbose: bool = False) -> float:
     """Compiles every shape the scheduler can use, so no compilation happens during a run.
 
@@ -473,7 +537,8 @@ class EmbeddedEngine(Engine):
       for R in c.decode_rows:
         cache, toks, _ = self._decode_fn(
             self._params, cache, i32(R), i32(R), np.zeros(R, bool), np.zeros(R, np.float32),
-            np.ones(R, np.float32), -np.ones(R, np.int32), np.zeros(R, np.uint32))
+            np.ones(R, np.float32), -np.ones(R, np.int32), np.zeros(R, np.uint32),
+            np.zeros(R, np.float32))
         if verbose:
           log.info("warmup decode S=%d R=%d", S, R)
       for P in c.prefill_rows:
@@ -484,13 +549,59 @@ class EmbeddedEngine(Engine):
               self._params, cache, i32(P), i32((P, C)), i32(P), np.ones(P, np.int32))
           if S == lens[0] and C == c.chunk_sizes[0]:
             _sample(logits, np.zeros(P, np.float32), np.ones(P, np.float32),
-                    -np.ones(P, np.int32), np.zeros(P, np.uint32), i32(P))
+                    -np.ones(P, np.int32), np.zeros(P, np.uint32), i32(P),
+                    np.zeros(P, np.float32))
       for S2 in lens:
         if S2 != S:
           self._resize_fns[S2](self._init_cache(batch_size=c.num_slots, max_len=S))
       jax.block_until_ready(cache)
       del cache
     return time.perf_counter() - t0
+
+  def score(self, token_ids: Sequence[int], *, temperature: float = 1.0,
+            top_k: int = 0) -> tuple[list[float | None], list[list[tuple[float, int]]]]:
+    """Log-probs of each token given the ones before it, and the top-k alternatives.
+
+    What SGLang's ``input_token_logprobs`` / ``*_top_logprobs`` report (and ``max_new_tokens:
+    0`` scoring requests): one extra prefill of ``token_ids`` on the current weights, outside
+    the slots (it neither reads nor disturbs running requests or kept sessions). Blocking; call
+    it from a worker thread in async code.
+
+    Args:
+      token_ids: the sequence (prompt, or prompt + output), at most ``config.max_len`` ids.
+      temperature: logits are divided by it (<= 0: by 1, as for greedy requests).
+      top_k: alternatives per position (0 to 20).
+
+    Returns:
+      (logprobs, top): ``logprobs[i]`` is log p(token_ids[i] | token_ids[:i]) (None for i = 0);
+      ``top[i]`` lists (logprob, id) of the top_k most likely tokens at position i given
+      token_ids[:i] (empty for i = 0).
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids:
+      raise ValueError("EmbeddedEngine.score: token_ids is empty.")
+    if len(ids) > self.config.max_len:
+      raise ValueError(f"EmbeddedEngine.score: {len(ids)} tokens exceed max_len="
+                       f"{self.config.max_len}.")
+    if any(not 0 <= t < self.vocab_size for t in ids):
+      raise ValueError(f"EmbeddedEngine.score: ids outside [0, {self.vocab_size}).")
+    if not 0 <= int(top_k) <= 20:
+      raise ValueError(f"EmbeddedEngine.score: top_k={top_k!r} must be in [0, 20].")
+    chunk = 64
+    T = -(-_bucket(self.config.cache_lens, len(ids)) // chunk) * chunk
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :len(ids)] = ids
+    # top-k is compiled for 0 or 20 alternatives only (two programs per length bucket).
+    k_static = 20 if top_k else 0
+    lp_T, top_lp, top_id = self._score_fn(chunk, k_static, self._params,
+                                          self._init_cache(batch_size=1, max_len=T), tokens,
+                                          np.float32(temperature))
+    lp_T, top_lp, top_id = np.asarray(lp_T), np.asarray(top_lp), np.asarray(top_id)
+    n = len(ids)
+    logprobs = [None] + [float(x) for x in lp_T[:n - 1]]
+    top = [[]] + [[(float(top_lp[i, j]), int(top_id[i, j])) for j in range(int(top_k))]
+                  for i in range(n - 1)]
+    return logprobs, top
 
   async def close(self) -> None:
     with self._cv:
@@ -519,9 +630,11 @@ class EmbeddedEngine(Engine):
       limit = min(limit, int(request.context_limit))
     seed = int(p.seed) if p.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
     loop = asyncio.get_running_loop()
+    stops = (p.stop_token_ids if p.stop_token_ids is not None
+             else self.config.default_stop_token_ids)
     req = _Req(request=request, rid=request.rid or uuid.uuid4().hex, prompt=prompt, params=p,
                limit=limit, seed=seed & 0xFFFFFFFF,
-               stop_ids=frozenset(int(t) for t in p.stop_token_ids), loop=loop,
+               stop_ids=frozenset(int(t) for t in stops), loop=loop,
                future=loop.create_future())
     if len(prompt) >= limit:
       req.done = True
@@ -744,6 +857,7 @@ class EmbeddedEngine(Engine):
     top_p = np.ones(P, np.float32)
     top_k = -np.ones(P, np.int32)
     seeds = np.zeros(P, np.uint32)
+    min_p = np.zeros(P, np.float32)
     pieces = []
     for i in range(P):
       s = group[min(i, len(group) - 1)]    # padding rows repeat the last real row exactly
@@ -755,12 +869,14 @@ class EmbeddedEngine(Engine):
       rows[i], start[i], n_valid[i] = s.index, a, len(piece)
       tokens[i, :len(piece)] = piece
       temp[i], top_p[i], top_k[i] = r.params.temperature, r.params.top_p, r.params.top_k
-      seeds[i] = r.seed
+      seeds[i], min_p[i] = r.seed, r.params.min_p
     if P > len(group):   # identical duplicates: the duplicate scatter then writes equal values
       rows[len(group):], tokens[len(group):] = rows[len(group) - 1], tokens[len(group) - 1]
     self._cache, logits_PxV = self._prefill_fn(self._params, self._cache, rows, tokens, start,
                                                n_valid)
-    tok_P, logp_P = _sample(logits_PxV, temp, top_p, top_k, seeds, start + n_valid)
+    # The first generated token has no earlier output, so the penalties (over generated
+    # tokens only) cannot change it: prefill samples without them.
+    tok_P, logp_P = _sample(logits_PxV, temp, top_p, top_k, seeds, start + n_valid, min_p)
     tok_P, logp_P = np.asarray(tok_P), np.asarray(logp_P)
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += sum(len(p) for p in pieces)
@@ -776,7 +892,15 @@ class EmbeddedEngine(Engine):
     """Records one sampled token; finishes the request when a limit is hit."""
     r.out.append(token)
     r.logps.append(logp)
-    if token in r.stop_ids:
+    hook_stop = False
+    if r.on_token is not None:
+      try:
+        hook_stop = bool(r.on_token(r.out, r.logps))
+      except Exception as e:  # noqa: BLE001 - the caller's hook fails its request only
+        log.exception("on_token hook of request %s failed", r.rid)
+        self._finish(r, FinishReason.ABORT, f"on_token hook failed: {e!r}")
+        return True
+    if token in r.stop_ids or hook_stop:
       self._finish(r, FinishReason.STOP)
     elif len(r.out) >= r.params.max_new_tokens:
       self._finish(r, FinishReason.LENGTH)
@@ -796,6 +920,19 @@ class EmbeddedEngine(Engine):
     top_p = np.ones(R, np.float32)
     top_k = -np.ones(R, np.int32)
     seeds = np.zeros(R, np.uint32)
+    min_p = np.zeros(R, np.float32)
+    penalized = [s for s in decoding if s.req.params.penalized]
+    penalties = None
+    if penalized:
+      counts = np.zeros((R, self.vocab_size), np.float32)
+      freq, pres, rep = (np.zeros(R, np.float32), np.zeros(R, np.float32),
+                         np.ones(R, np.float32))
+      for s in penalized:
+        p = s.req.params
+        np.add.at(counts[s.index], np.asarray(s.req.out, np.int64), 1.0)
+        freq[s.index], pres[s.index], rep[s.index] = (p.frequency_penalty, p.presence_penalty,
+                                                      p.repetition_penalty)
+      penalties = (counts, freq, pres, rep)
     for s in self._slots[:R]:
       lengths[s.index] = len(s.tokens)
     for s in decoding:
@@ -804,8 +941,10 @@ class EmbeddedEngine(Engine):
       tokens[i], active[i] = r.out[-1], True
       temp[i], top_p[i], top_k[i], seeds[i] = (r.params.temperature, r.params.top_p,
                                                r.params.top_k, r.seed)
+      min_p[i] = r.params.min_p
     self._cache, toks_RxN, logps_RxN = self._decode_fn(
-        self._params, self._cache, tokens, lengths, active, temp, top_p, top_k, seeds)
+        self._params, self._cache, tokens, lengths, active, temp, top_p, top_k, seeds, min_p,
+        penalties)
     toks_RxN, logps_RxN = np.asarray(toks_RxN), np.asarray(logps_RxN)
     self.stats["decode_calls"] += 1
     now = time.monotonic()

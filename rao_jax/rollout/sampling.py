@@ -71,21 +71,54 @@ def _filter_top_k_top_p(scaled_BxV, top_k_B, top_p_B):
   return jnp.where(scaled_BxV >= thresh_B[:, None], scaled_BxV, -jnp.inf)
 
 
-def sample(logits_BxV, temperature_B, top_p_B, top_k_B, seeds_B, positions_B):
+def apply_penalties(logits_BxV, counts_BxV, frequency_B, presence_B, repetition_B):
+  """SGLang's frequency, presence and repetition penalties over the generated tokens.
+
+  Args:
+    logits_BxV: float32 logits (before temperature).
+    counts_BxV: how often each token was generated so far by the row (any numeric dtype).
+    frequency_B: subtracted once per occurrence (0 = off).
+    presence_B: subtracted once for any occurrence (0 = off).
+    repetition_B: positive logits of seen tokens are divided by it, negative ones multiplied
+      (1 = off).
+
+  Returns:
+    The penalised float32 logits.
+  """
+  counts_BxV = counts_BxV.astype(jnp.float32)
+  seen_BxV = counts_BxV > 0
+  logits_BxV = (logits_BxV - frequency_B[:, None] * counts_BxV
+                - presence_B[:, None] * seen_BxV.astype(jnp.float32))
+  rep_BxV = jnp.where(seen_BxV, repetition_B[:, None], 1.0)
+  return jnp.where(logits_BxV > 0, logits_BxV / rep_BxV, logits_BxV * rep_BxV)
+
+
+def _filter_min_p(scaled_BxV, min_p_B):
+  """Masks tokens whose probability is below min_p times the row's most likely token's
+  (a difference of logits, so no softmax is needed); min_p 0 keeps everything."""
+  top_B = jnp.max(scaled_BxV, axis=-1)
+  thresh_B = jnp.where(min_p_B > 0, top_B + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
+  return jnp.where(scaled_BxV >= thresh_B[:, None], scaled_BxV, -jnp.inf)
+
+
+def sample(logits_BxV, temperature_B, top_p_B, top_k_B, seeds_B, positions_B, min_p_B=None):
   """Samples one token per row.
 
   Args:
-    logits_BxV: float32 logits.
+    logits_BxV: float32 logits (penalties, if any, already applied: ``apply_penalties``).
     temperature_B: float32; 0 means greedy (argmax).
     top_p_B: float32 in (0, 1]; 1 disables nucleus filtering.
     top_k_B: int32; -1 (or any value <= 0) disables top-k filtering.
     seeds_B: uint32/int32 per-request seeds.
     positions_B: int32 absolute position of the token being sampled (for the key).
+    min_p_B: optional float32 in [0, 1]; 0 (or None) disables min-p filtering. Applied after
+      top-k/top-p like SGLang (relative to the most likely token, so the order does not
+      change which tokens survive).
 
   Returns:
     (token_B int32, logprob_B float32) where logprob is log_softmax(logits / temperature) of
-    the chosen token before top-k/top-p filtering (temperature 1 for greedy rows), the quantity
-    SGLang reports and the learner recomputes.
+    the chosen token before top-k/top-p/min-p filtering (temperature 1 for greedy rows), the
+    quantity SGLang reports and the learner recomputes.
   """
   logits_BxV = logits_BxV.astype(jnp.float32)
   greedy_B = temperature_B <= 0
@@ -101,6 +134,8 @@ def sample(logits_BxV, temperature_B, top_p_B, top_k_B, seeds_B, positions_B):
     filtered_BxV = jax.lax.cond(needs_filter,
                                 lambda x: _filter_top_k_top_p(x, top_k_B, top_p_B),
                                 lambda x: x, scaled_BxV)
+    if min_p_B is not None:
+      filtered_BxV = _filter_min_p(filtered_BxV, min_p_B.astype(jnp.float32))
     # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
     noise_BxV = gumbel_noise(seeds_B, positions_B, filtered_BxV.shape[-1])
     drawn_B = jnp.argmax(filtered_BxV + noise_BxV, axis=-1).astype(jnp.int32)
@@ -109,3 +144,25 @@ def sample(logits_BxV, temperature_B, top_p_B, top_k_B, seeds_B, positions_B):
   token_B = jax.lax.cond(jnp.all(greedy_B), lambda _: argmax_B, draw, None)
   logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B, logprob_B
+
+
+def score_chunk(logits_CxV, targets_C, temperature, top_k: int):
+  """Log-probs of the next tokens and the top-k alternatives at C positions (float32).
+
+  Args:
+    logits_CxV: logits at C positions.
+    targets_C: the token that follows each position.
+    temperature: scalar; <= 0 is treated as 1 (greedy requests report unscaled logprobs).
+    top_k: static number of alternatives (0: none).
+
+  Returns:
+    (logprob_C, top_logprob_CxK, top_id_CxK).
+  """
+  t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+  logp_CxV = jax.nn.log_softmax(logits_CxV.astype(jnp.float32) / t, axis=-1)
+  lp_C = jnp.take_along_axis(logp_CxV, targets_C[:, None], axis=-1)[:, 0]
+  if top_k <= 0:
+    C = logits_CxV.shape[0]
+    return lp_C, jnp.zeros((C, 0), jnp.float32), jnp.zeros((C, 0), jnp.int32)
+  top_lp_CxK, top_id_CxK = jax.lax.top_k(logp_CxV, top_k)
+  return lp_C, top_lp_CxK, top_id_CxK.astype(jnp.int32)
