@@ -185,7 +185,8 @@ class TreeRunner:
   # -- one node ----------------------------------------------------------------------------
 
   async def _run_node(self, tree: _Tree, info: base.NodeInfo, budget: _Budget,
-                      variables: dict[str, Any]) -> base.NodeOutcome:
+                      variables: dict[str, Any], counted: bool = False) -> base.NodeOutcome:
+    """counted: the caller already counted this node in `tree.live` (launch_subagent)."""
     cfg = self.cfg
     rec = R.NodeRecord(node_id=info.node_id, parent_id=info.parent_id, depth=info.depth,
                        goal=info.goal, task_fields=_jsonable(dict(info.fields)),
@@ -194,7 +195,8 @@ class TreeRunner:
     tree.records.append(rec)
     own_cap = min(cfg.max_steps_per_agent, budget.left)
     st = _NodeState(info=info, rec=rec, budget=budget, own_cap=own_cap)
-    tree.live += 1
+    if not counted:
+      tree.live += 1
     tree.episode.node_started(info)
     repl = None
     reason = R.END_ERROR
@@ -371,8 +373,11 @@ class TreeRunner:
       st.rec.children.append(child_id)
       child_info = base.NodeInfo(node_id=child_id, parent_id=info.node_id, depth=info.depth + 1,
                                  goal=spec.goal, fields=dict(spec.fields), max_steps=grant)
+      # Counted here, not when the task first runs: launches gathered in one loop iteration
+      # would otherwise all pass the check above before any of them counted itself.
+      tree.live += 1
       task = asyncio.ensure_future(self._run_node(tree, child_info, child_budget,
-                                                  dict(spec.variables)))
+                                                  dict(spec.variables), counted=True))
       tree.children.add(task)
       try:
         outcome = await asyncio.shield(task)
