@@ -446,3 +446,53 @@ def test_coroutines_never_awaited_are_contained():
   assert "still pending when the cell ended and were cancelled" in res.output
   # Cancelled on the host too: either before it started or while it ran.
   assert events in ([], ["started", "cancelled"])
+
+
+# ---- issue 20: limits that hold as root, against threads, shared memory and the host loop --
+
+def test_live_agent_limit_holds_when_launches_are_gathered():
+  """Class 6: launches gathered in one loop iteration all passed the live-agent check before
+  any child counted itself (29 live with a limit of 4). Peak overlap of the nodes' lifetimes,
+  from their own records, must stay within max_live_agents."""
+  from rao_jax.agent import chat, local_exec, runner as rn
+  from rao_jax.envs import base
+  from rao_jax.envs import textcraft_synth as ts
+  from rao_jax.rollout import base as rollout
+
+  tok = chat.ByteChatTokenizer()
+  env = ts.TextCraftSynthEnv(ts.SynthConfig(tasks_per_difficulty=2, items_per_tier=20))
+  t = env.tasks("test/easy")[0]
+  task = base.Task(task_id=t.task_id, env=t.env, goal=t.goal, fields=t.fields,
+                   difficulty=t.difficulty, max_steps=200)
+  target = next(iter(task.fields["target_items"]))
+
+  class Engine(rollout.Engine):
+    weight_version = 0
+
+    async def generate(self, request):
+      text = tok.decode(request.prompt_ids)
+      turn = text.count("[turns left: ")
+      if "you are at depth 0" in text and turn == 0:
+        code = ("import asyncio\nres = await asyncio.gather(*[launch_subagent("
+                f"{{{target!r}: 1}}, 3) for _ in range(12)])\nprint(res)")
+      elif "you are at depth 0" in text:
+        code = "finish('done')"
+      else:
+        code = "import asyncio\nawait asyncio.sleep(0.2)\nfinish('child done')"
+      ids = tok.encode(f"```python\n{code}\n```") + [tok.stop_token_ids[0]]
+      return rollout.GenerateResult(ids, [-0.5] * len(ids), rollout.FinishReason.STOP, 0)
+
+  r = rn.TreeRunner(env, Engine(), tok, local_exec.LocalReplPool(),
+                    rn.RunnerConfig(max_live_agents=4, max_depth=1))
+  (tree,) = asyncio.run(r.run_tasks([task]))
+  events = sorted([(n.timings["start"], 1) for n in tree.nodes]
+                  + [(n.timings["end"], -1) for n in tree.nodes])
+  live = peak = 0
+  for _, d in events:
+    live += d
+    peak = max(peak, live)
+  assert peak <= 4, peak
+  # The limit refused launches with a clear message instead of starting them.
+  obs = tree.root.extras["turns"][0]["observation"]
+  assert "4 agents are already running in this tree" in obs, obs
+  assert 1 <= len(tree.nodes) - 1 <= 3
