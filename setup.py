@@ -38,6 +38,8 @@ setup(
             "pytest-timeout>=2.3",
             "torch==2.13.0",
             "accelerate>=1.0",
+            # The OpenAI client: tests drive serve's /v1 endpoints the way users' tools do.
+            "openai>=1.40",
         ],
         # The SGLang rollout server for GPU nodes; a CPU machine never needs it.
         # 0.5.6: the first release with everything SGLANG_API.md uses: pause_generation modes

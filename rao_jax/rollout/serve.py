@@ -995,6 +995,8 @@ class Server:
         "served_model_name": self.served_model_name,
         "version": f"rao_jax-{rao_jax.__version__}", "sglang_api_version": SGLANG_VERSION,
         "engine": "rao_jax.embedded", "weight_version": str(self.engine.weight_version),
+        # Seeded requests reproduce whatever else shares their batch (sampling.gumbel_noise).
+        "sampling_seed_honoured": True,
         "context_length": int(self.engine.config.capacity),
         "engine_config": dataclasses.asdict(self.engine.config)})
 

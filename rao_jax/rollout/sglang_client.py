@@ -12,6 +12,15 @@ remaining token budget, and the pieces are joined.
 Weight sync (``update_weights_from_disk`` / ``sync_weights``) follows the SGLang RL recipe on
 every server: pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk
 -> continue_generation.
+
+Server quirks handled: refusals come as ``{"error": {"message": ...}}`` (SGLang's /generate) or
+flat ``{"object": "error", "message": ...}`` (its request validation, OpenAI-style), and both
+reach the caller's ValueError; a server that never had its weights updated reports
+``weight_version: "default"``, which the client replaces by its own version (the constructor's
+``weight_version`` until a sync sets another); and ``sampling_seed`` is honoured by SGLang only
+with ``--enable-deterministic-inference``, so the first seeded request per server reads
+/get_server_info and logs one warning when seeded rollouts will not be reproducible there
+(rao_jax.rollout.serve always honours seeds).
 """
 from __future__ import annotations
 
@@ -36,6 +45,30 @@ _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 
 class ServerError(RuntimeError):
   """A retryable server failure (5xx or a malformed answer)."""
+
+
+def error_message(data: Any) -> str:
+  """The message of an error answer in any of SGLang's shapes (nested, flat, or plain text)."""
+  if isinstance(data, dict):
+    err = data.get("error")
+    if isinstance(err, dict) and err.get("message") is not None:
+      return str(err["message"])
+    if isinstance(err, str) and err:
+      return err
+    if data.get("message") is not None:
+      return str(data["message"])
+    if data.get("detail") is not None:       # FastAPI's default validation shape
+      return str(data["detail"])
+    return json.dumps(data)[:500]
+  return str(data)[:500]
+
+
+def honours_seed(server_info: Any) -> bool:
+  """Whether a server's /get_server_info says it reproduces ``sampling_seed``."""
+  if not isinstance(server_info, dict):
+    return False
+  return bool(server_info.get("sampling_seed_honoured")
+              or server_info.get("enable_deterministic_inference"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +129,8 @@ class SGLangEngine(Engine):
     self._sessions: dict[str, str] = {}
     self._current: dict[str, tuple[str, str]] = {}     # rid -> (url, http rid)
     self._aborted: set[str] = set()
+    self._seed_checked: set[str] = set()
+    self.seed_warnings = 0        # how many servers were found not to honour sampling_seed
     self._http: aiohttp.ClientSession | None = None
     self._http_loop = None
 
@@ -169,8 +204,11 @@ class SGLangEngine(Engine):
         tokens += out_tok
         logps += out_lp
         cached += int(meta.get("cached_tokens") or 0)
-        version = meta.get("weight_version", version)
-        self._version = version
+        reported = meta.get("weight_version")
+        # "default": SGLang's label for weights no update has touched; the client knows better.
+        if reported is not None and reported != "default":
+          version = reported
+          self._version = version
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type") if isinstance(fr, dict) else None
         if kind == "stop":
@@ -200,8 +238,15 @@ class SGLangEngine(Engine):
     p = request.params
     sp = {"max_new_tokens": int(max_new), "temperature": float(p.temperature),
           "top_p": float(p.top_p), "top_k": int(p.top_k),
-          "stop_token_ids": [int(t) for t in p.stop_token_ids], "no_stop_trim": True,
-          "skip_special_tokens": False}
+          "no_stop_trim": True, "skip_special_tokens": False}
+    if p.stop_token_ids is not None:
+      # Exactly these ids (SamplingParams' contract); None leaves the server's default (EOS).
+      sp["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
+      sp["ignore_eos"] = True
+    for k, off in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                   ("repetition_penalty", 1.0)):
+      if getattr(p, k) != off:
+        sp[k] = float(getattr(p, k))
     if p.seed is not None:
       sp["sampling_seed"] = int(p.seed)
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
@@ -224,6 +269,8 @@ class SGLangEngine(Engine):
       if rid in self._aborted:
         return None, "aborted by the caller", None
       url = self._pick(request.session_id, avoid)
+      if request.params.seed is not None and url not in self._seed_checked:
+        await self._check_seed(url)
       http_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
       self._current[rid] = (url, http_rid)
       self._inflight[url] += 1
@@ -233,8 +280,8 @@ class SGLangEngine(Engine):
         if status >= 500 or status == 429:
           raise ServerError(f"HTTP {status}: {str(data)[:200]}")
         if status != 200:
-          msg = data.get("error", {}).get("message") if isinstance(data, dict) else data
-          raise ValueError(f"{url}/generate refused the request (HTTP {status}): {msg}")
+          raise ValueError(f"{url}/generate refused the request (HTTP {status}): "
+                           f"{error_message(data)}")
         return (data["meta_info"], *self._read_tokens(data))
       except (ServerError, KeyError, TypeError) + _RETRYABLE as e:
         last_error = f"{type(e).__name__}: {e}"
@@ -252,6 +299,23 @@ class SGLangEngine(Engine):
                last_error, delay)
       await asyncio.sleep(delay * (0.5 + random.random()))
       delay = min(delay * 2, c.max_backoff)
+
+  async def _check_seed(self, url: str) -> None:
+    """Warns (once per server) when ``url`` will ignore sampling_seed."""
+    try:
+      async with self._session().get(
+          url + "/get_server_info",
+          timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)) as resp:
+        info = await resp.json(content_type=None) if resp.status == 200 else None
+    except _RETRYABLE + (ValueError,) as e:
+      log.info("could not read %s/get_server_info to check sampling_seed support: %s", url, e)
+      return          # checked again on the next seeded request
+    self._seed_checked.add(url)
+    if not honours_seed(info):
+      self.seed_warnings += 1
+      log.warning("%s does not say it honours sampling_seed (SGLang needs "
+                  "--enable-deterministic-inference): seeded rollouts from it will NOT be "
+                  "reproducible.", url)
 
   @staticmethod
   def _read_tokens(data: dict) -> tuple[list[int], list[float]]:

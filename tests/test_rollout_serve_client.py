@@ -1,0 +1,132 @@
+"""SGLangEngine (the client) against answers in real SGLang 0.5.6's shapes: both error shapes,
+weight_version "default", servers that ignore sampling_seed, and what the payload asks for.
+
+The server here is a small aiohttp app replaying SGLang's documented answers (no SGLang on a
+CPU test machine); the client is the code under test."""
+import asyncio
+import logging
+import socket
+
+import pytest
+from aiohttp import web
+
+from rao_jax.rollout import FinishReason, GenerateRequest, SamplingParams
+from rao_jax.rollout.sglang_client import SGLangEngine, error_message, honours_seed
+
+
+def _port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class FakeSGLang:
+  """Answers /generate and /get_server_info like an SGLang 0.5.6 server would."""
+
+  def __init__(self, *, version="default", deterministic=False, refuse=None):
+    self.version, self.deterministic, self.refuse = version, deterministic, refuse
+    self.bodies, self.info_calls = [], 0
+
+  async def generate(self, request):
+    body = await request.json()
+    self.bodies.append(body)
+    if self.refuse == "flat":        # FastAPI request validation, OpenAI-style ErrorResponse
+      return web.json_response({"object": "error", "message": "bad field: temperature",
+                                "type": "BadRequestError", "param": None, "code": 400},
+                               status=400)
+    if self.refuse == "nested":      # /generate's ValueError path
+      return web.json_response({"error": {"message": "nested refusal"}}, status=400)
+    n = body["sampling_params"]["max_new_tokens"]
+    ids = list(range(100, 100 + n))
+    return web.json_response({"text": "x", "output_ids": ids, "meta_info": {
+        "id": body["rid"], "finish_reason": {"type": "length", "length": n},
+        "prompt_tokens": len(body["input_ids"]), "completion_tokens": n, "cached_tokens": 0,
+        "weight_version": self.version,
+        "output_token_logprobs": [[-1.0, t, None] for t in ids]}})
+
+  async def server_info(self, request):
+    self.info_calls += 1
+    info = {"model_path": "m", "version": "0.5.6"}
+    if self.deterministic:
+      info["enable_deterministic_inference"] = True
+    return web.json_response(info)
+
+  async def __aenter__(self):
+    app = web.Application()
+    app.router.add_post("/generate", self.generate)
+    app.router.add_get("/get_server_info", self.server_info)
+    self.runner = web.AppRunner(app)
+    await self.runner.setup()
+    port = _port()
+    await web.TCPSite(self.runner, "127.0.0.1", port).start()
+    self.url = f"http://127.0.0.1:{port}"
+    return self
+
+  async def __aexit__(self, *exc):
+    await self.runner.cleanup()
+
+
+def test_error_message_shapes():
+  assert error_message({"error": {"message": "a"}}) == "a"
+  assert error_message({"object": "error", "message": "b", "code": 400}) == "b"
+  assert error_message({"detail": [{"msg": "c"}]}) == "[{'msg': 'c'}]"
+  assert error_message("plain") == "plain"
+  assert honours_seed({"enable_deterministic_inference": True})
+  assert honours_seed({"sampling_seed_honoured": True}) and not honours_seed({"x": 1})
+
+
+def test_client_surfaces_both_error_shapes():
+  async def go():
+    for shape, text in (("flat", "bad field: temperature"), ("nested", "nested refusal")):
+      async with FakeSGLang(refuse=shape) as srv:
+        client = SGLangEngine(srv.url, retry_timeout=5)
+        with pytest.raises(ValueError, match=text):
+          await client.generate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2)))
+        await client.close()
+  asyncio.run(go())
+
+
+def test_weight_version_default_and_payload():
+  async def go():
+    async with FakeSGLang(version="default", deterministic=True) as srv:
+      client = SGLangEngine(srv.url, weight_version=5)
+      r = await client.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=3)))
+      # "default" is SGLang's label for never-updated weights: the client's version stands.
+      assert r.weight_version == 5 and r.finish_reason == FinishReason.LENGTH
+      assert r.token_ids == [100, 101, 102]
+      srv.version = "7"
+      r = await client.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=1)))
+      assert r.weight_version == "7" and client.weight_version == "7"
+      srv.version = "default"
+      r = await client.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=1)))
+      assert r.weight_version == "7"
+      # Payload: None stop ids leave the server's EOS default; explicit ids mean exactly those.
+      sp0 = srv.bodies[0]["sampling_params"]
+      assert "stop_token_ids" not in sp0 and "ignore_eos" not in sp0
+      await client.generate(GenerateRequest([1], SamplingParams(
+          max_new_tokens=1, stop_token_ids=(9,), min_p=0.1, repetition_penalty=1.2)))
+      sp = srv.bodies[-1]["sampling_params"]
+      assert sp["stop_token_ids"] == [9] and sp["ignore_eos"] is True
+      assert sp["min_p"] == pytest.approx(0.1) and sp["repetition_penalty"] == 1.2
+      assert "frequency_penalty" not in sp
+      await client.close()
+  asyncio.run(go())
+
+
+def test_seed_warning_once_per_server(caplog):
+  async def go(deterministic):
+    async with FakeSGLang(deterministic=deterministic) as srv:
+      client = SGLangEngine(srv.url)
+      for seed in (1, 2, 3):
+        await client.generate(GenerateRequest([1], SamplingParams(max_new_tokens=1, seed=seed)))
+      await client.generate(GenerateRequest([1], SamplingParams(max_new_tokens=1)))
+      await client.close()
+      assert srv.bodies[0]["sampling_params"]["sampling_seed"] == 1
+      return client.seed_warnings, srv.info_calls
+  with caplog.at_level(logging.WARNING, logger="rao_jax.rollout.sglang_client"):
+    assert asyncio.run(go(False)) == (1, 1)
+  assert sum("NOT be reproducible" in r.getMessage() for r in caplog.records) == 1
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="rao_jax.rollout.sglang_client"):
+    assert asyncio.run(go(True)) == (0, 1)
+  assert not any("reproducible" in r.getMessage() for r in caplog.records)
