@@ -1,14 +1,21 @@
 """Evaluation of a checkpoint on held-out tasks, recursive and single-agent, on any device count.
 
 Restores the newest (or a given) checkpoint of a training workdir onto the devices of THIS
-process (a run saved on 8 devices evaluates on 1), runs greedy trees on held-out tasks, and
-writes `results.json`, `trees.jsonl` and `trees.html` under `workdir/evaluation/step_N/`.
+process (a run saved on 8 devices evaluates on 1), runs greedy trees on held-out tasks (the
+environment's "test" split, or ``config.env.task_files.test``), and writes `results.json`,
+`trees.jsonl` and `trees.html` under `workdir/evaluation/step_N/`. With ``samples=K`` it also
+runs K sampled trees per task (the config's agent temperature) and reports the unbiased
+pass@k for k = 1..K next to greedy success. ``evaluate_model`` does the same for a model with
+no run directory (a registry name, HF folder or GGUF file, or an SGLang-compatible server),
+so there is a baseline before training.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -20,48 +27,134 @@ from rao_jax.agent import records as R
 log = logging.getLogger(__name__)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k estimate from n samples of which c passed (Chen et al., 2021):
+  1 - C(n - c, k) / C(n, k), the chance that k of the n samples drawn without replacement
+  include a pass."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass_at_k(n={n}, c={c}, k={k}): need 0 <= c <= n and 1 <= k <= n.")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sampled_stats(trees, samples: int) -> dict[str, Any]:
+  """pass@k (k = 1..samples, averaged over tasks) of `samples` sampled trees per task.
+
+  A sample passes when its root succeeded fully (success >= 1; partial credit, as long-context
+  answers get, counts in ``sampled_success`` only).
+  """
+  by_task: dict[str, list[float]] = collections.defaultdict(list)
+  for t in trees:
+    by_task[t.task_id].append(float(t.root.success or 0.0))
+  for tid, s in by_task.items():
+    if len(s) != samples:
+      raise ValueError(f"sampled_stats: task {tid} has {len(s)} samples, expected {samples}.")
+  passes = {tid: sum(x >= 1.0 - 1e-9 for x in s) for tid, s in by_task.items()}
+  n_tasks = max(len(by_task), 1)
+  return {
+      "samples": samples,
+      "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in passes.values()) / n_tasks
+                    for k in range(1, samples + 1)},
+      "sampled_success": sum(sum(s) for s in by_task.values()) / max(len(trees), 1),
+      "per_task_passes": passes,
+  }
+
+
 def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | None = None,
                         modes: Sequence[str] = ("recursive", "single"),
                         difficulties: Sequence[str] | None = None,
-                        out_dir: str | None = None) -> dict[str, Any]:
-  """Evaluates `workdir`'s checkpoint `step` (default: newest). Returns the results dict."""
-  return asyncio.run(_evaluate(workdir, step, num_tasks, modes, difficulties, out_dir))
+                        out_dir: str | None = None, samples: int = 0,
+                        task_files: dict[str, str] | None = None) -> dict[str, Any]:
+  """Evaluates `workdir`'s checkpoint `step` (default: newest). Returns the results dict.
+
+  ``results["modes"][mode][difficulty]`` holds greedy ``success``, ``ci95``, ``num_tasks``,
+  ``per_task`` and tree statistics; with ``samples=K > 0`` also ``pass_at_k`` ({"1": ...,
+  "K": ...}), ``sampled_success`` and ``per_task_passes`` from K sampled trees per task.
+  ``task_files`` ({split: path}) adds to / overrides the run config's ``env.task_files``.
+  """
+  return asyncio.run(_evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
+                               samples, task_files))
 
 
-async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir) -> dict[str, Any]:
-  from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
-  workdir = os.path.abspath(workdir)
-  config = X.load_config(workdir)
+def evaluate_model(config, model: str | None = None, server_urls: Sequence[str] | None = None,
+                   num_tasks: int | None = None, modes: Sequence[str] = ("recursive", "single"),
+                   difficulties: Sequence[str] | None = None, out_dir: str | None = None,
+                   samples: int = 0, task_files: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+  """Evaluates a model that has no run directory, under `config` (an experiments config).
+
+  Args:
+    config: the experiment config (environment, agent, sandbox and eval settings).
+    model: a registry name, HF folder or GGUF file (default: ``config.model.name``); served by
+      the embedded engine. Ignored when ``server_urls`` is given.
+    server_urls: SGLang-native servers (SGLang, or ``python -m rao_jax.rollout.serve``) to
+      generate with; the tokenizer comes from ``model`` or ``config.model.name``.
+    num_tasks, modes, difficulties, samples, task_files: as in ``evaluate_checkpoint``.
+    out_dir: where results.json, trees.jsonl and trees.html go (default
+      ``./evaluation/<model or server>``).
+
+  Returns:
+    The results dict, shaped as ``evaluate_checkpoint``'s (``step`` None, ``model`` set).
+  """
+  return asyncio.run(_evaluate_model(config, model, server_urls, num_tasks, modes,
+                                     difficulties, out_dir, samples, task_files))
+
+
+def make_env(config, task_files: dict[str, str] | None = None):
+  """The config's environment, with ``config.env.task_files`` and then ``task_files`` (split
+  -> JSONL path; empty paths ignored) applied."""
+  from rao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  files = config.env.get("task_files") if hasattr(config.env, "get") else None
+  files = {k: v for k, v in {**dict(files or {}), **dict(task_files or {})}.items() if v}
+  return registry.make_env(config.env.name, X._to_plain(config.env.kwargs),  # pylint: disable=protected-access
+                           task_files=files or None)
+
+
+def _check(modes, samples):
   for m in modes:
     if m not in ("recursive", "single"):
       raise ValueError(f"modes={tuple(modes)}: each must be 'recursive' or 'single'.")
-  env = X.make_env(config)
-  model, tokenizer = X.load_policy(config)
-  learner = Learner(X.learner_config(config, workdir), model.cfg, mesh=X.make_mesh("auto"),
-                    params=model)
-  del model
-  steps = learner._checkpointer().all_steps()  # pylint: disable=protected-access
-  if not steps:
-    raise FileNotFoundError(f"No checkpoint in {learner.cfg.ckpt_dir}: train first "
-                            "(python -m experiments.train --workdir=...).")
-  if step is not None and step not in steps:
-    raise ValueError(f"--step={step}: no such checkpoint in {learner.cfg.ckpt_dir}; "
-                     f"available steps: {steps}.")
-  step = steps[-1] if step is None else step
-  learner.restore(step)
-  engine = X.make_engine(config, learner.model, tokenizer)
-  engine_version = f"ckpt{step}"
-  if hasattr(engine, "update_weights"):
-    engine.update_weights(learner.model, engine_version)
-  learner.close()
+  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+    raise ValueError(f"samples={samples!r}: give 0 (greedy only) or the number of sampled "
+                     "trees per task (pass@k for k up to it).")
+
+
+async def _evaluate_model(config, model, server_urls, num_tasks, modes, difficulties, out_dir,
+                          samples, task_files=None) -> dict[str, Any]:
+  _check(modes, samples)
+  name = model or config.model.name
+  env = make_env(config, task_files)
+  if server_urls:
+    from rao_jax.model.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+    from rao_jax.model.weights import resolve_model_path  # pylint: disable=g-import-not-at-top
+    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
+    path = resolve_model_path(name)
+    tokenizer = (Tokenizer.from_hf_folder(path) if os.path.isdir(path)
+                 else Tokenizer.from_gguf(path))
+    engine = SGLangEngine(list(server_urls))
+    label = ",".join(server_urls)
+  else:
+    from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
+    policy, tokenizer = load_pretrained(name, dtype=X._dtype(config.model.dtype))  # pylint: disable=protected-access
+    engine = X.make_engine(config, policy, tokenizer)
+    label = name
+  safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)[:80]
+  out_dir = out_dir or os.path.join("evaluation", safe)
+  results = {"workdir": None, "step": None, "model": label}
+  return await _run_eval(config, env, engine, tokenizer, results, num_tasks, modes,
+                         difficulties, out_dir, samples, f"Evaluation of {label}")
+
+
+async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, difficulties,
+                    out_dir, samples, title) -> dict[str, Any]:
+  """Greedy (and, with samples > 0, sampled) trees on held-out tasks; writes the outputs."""
   n = int(num_tasks or config.eval.num_tasks)
   diffs = tuple(difficulties or config.env.eval_difficulties)
-  out_dir = out_dir or os.path.join(workdir, "evaluation", f"step_{step:06d}")
   os.makedirs(out_dir, exist_ok=True)
+  results.update({"num_tasks": n, "env": config.env.name, "modes": {}})
   repls = X.sandbox_pool(config)
   await repls.start()
-  results: dict[str, Any] = {"workdir": workdir, "step": step, "num_tasks": n,
-                             "env": config.env.name, "modes": {}}
   all_trees = []
   try:
     for mode in modes:
@@ -79,17 +172,67 @@ async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir) -> d
                           "num_tasks": len(trees), "wall_s": wall,
                           "per_task": {t.task_id: s for t, s in zip(trees, succ)},
                           **metrics_lib.tree_stats(trees)}
-        log.info("eval step %d %s %s: success %.3f [%.3f, %.3f] over %d tasks", step, mode,
+        log.info("eval %s %s %s: success %.3f [%.3f, %.3f] over %d tasks", title, mode,
                  diff, per_mode[diff]["success"], lo, hi, len(trees))
         all_trees += trees
+        if samples:
+          sampler = X.make_runner(config, env, engine, tokenizer, repls,
+                                  recursive=mode == "recursive", greedy=False)
+          t0 = time.perf_counter()
+          sampled = await sampler.run_tasks(tasks, group_size=samples)
+          per_mode[diff].update(sampled_stats(sampled, samples),
+                                sampled_wall_s=time.perf_counter() - t0)
+          log.info("eval %s %s %s: pass@%d %.3f over %d tasks x %d samples", title, mode,
+                   diff, samples, per_mode[diff]["pass_at_k"][str(samples)], len(tasks),
+                   samples)
       results["modes"][mode] = per_mode
   finally:
     await repls.close()
     await engine.close()
   R.save_trees_jsonl(os.path.join(out_dir, "trees.jsonl"), all_trees)
-  metrics_lib.write_html(all_trees, os.path.join(out_dir, "trees.html"),
-                         title=f"Evaluation of step {step}")
+  metrics_lib.write_html(all_trees, os.path.join(out_dir, "trees.html"), title=title)
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   results["out_dir"] = out_dir
   return results
+
+
+def load_checkpoint(workdir: str, step: int | None = None):
+  """(model, tokenizer, step, config) of a training run's checkpoint `step` (default: newest),
+  restored onto this process's devices (``serve --checkpoint`` uses it)."""
+  from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
+  workdir = os.path.abspath(workdir)
+  config = X.load_config(workdir)
+  model, tokenizer = X.load_policy(config)
+  learner = Learner(X.learner_config(config, workdir), model.cfg, mesh=X.make_mesh("auto"),
+                    params=model)
+  del model
+  steps = learner._checkpointer().all_steps()  # pylint: disable=protected-access
+  if not steps:
+    raise FileNotFoundError(f"No checkpoint in {learner.cfg.ckpt_dir}: train first "
+                            "(python -m experiments.train --workdir=...).")
+  if step is not None and step not in steps:
+    raise ValueError(f"step={step}: no such checkpoint in {learner.cfg.ckpt_dir}; "
+                     f"available steps: {steps}.")
+  step = steps[-1] if step is None else step
+  learner.restore(step)
+  model = learner.model
+  learner.close()
+  return model, tokenizer, step, config
+
+
+async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
+                    samples=0, task_files=None) -> dict[str, Any]:
+  _check(modes, samples)
+  workdir = os.path.abspath(workdir)
+  model, tokenizer, step, config = load_checkpoint(workdir, step)
+  env = make_env(config, task_files)
+  engine = X.make_engine(config, model, tokenizer)
+  engine_version = f"ckpt{step}"
+  if hasattr(engine, "update_weights"):
+    engine.update_weights(model, engine_version)
+  del model
+  out_dir = out_dir or os.path.join(workdir, "evaluation", f"step_{step:06d}")
+  results: dict[str, Any] = {"workdir": workdir, "step": step}
+  return await _run_eval(config, env, engine, tokenizer, results, num_tasks, modes,
+                         difficulties, out_dir, samples, f"Evaluation of step {step}")

@@ -368,8 +368,18 @@ def targets_goal(targets: Mapping[str, int], context: str = "") -> str:
   return goal
 
 
+HELD_OUT_EVERY = 10
+
+
 class TextCraftEnv(base.Environment):
-  """TextCraft on the Minecraft recipes and the 1,000 training tasks."""
+  """TextCraft on the Minecraft recipes and the 1,000 tasks of ``textcraft_train.jsonl``.
+
+  Splits: "test" (the held-out split) is every 10th task of the file (lines 10, 20, ...,
+  ids ``textcraft.train.9``, ``.19``, ...: 100 tasks), "train" the other 900, so evaluation
+  never sees a task training used; "all" is the 1,000. The RAO authors' own task files (any
+  split) replace these with ``config.env.task_files.<split>=PATH`` (see
+  ``registry.with_task_files``).
+  """
 
   name = "textcraft"
 
@@ -382,8 +392,11 @@ class TextCraftEnv(base.Environment):
 
   def tasks(self, split: str = "train") -> Sequence[base.Task]:
     if self._tasks is None:
-      self._tasks = {"train": load_textcraft_jsonl(
-          os.path.join(self.data_dir, "textcraft_train.jsonl"), env=self.name)}
+      every = load_textcraft_jsonl(os.path.join(self.data_dir, "textcraft_train.jsonl"),
+                                   env=self.name)
+      held = [i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for i in range(len(every))]
+      self._tasks = {"train": [t for t, h in zip(every, held) if not h],
+                     "test": [t for t, h in zip(every, held) if h], "all": every}
     if split not in self._tasks:
       raise ValueError(f"TextCraftEnv.tasks(split={split!r}): known splits {sorted(self._tasks)}.")
     return self._tasks[split]
@@ -508,17 +521,18 @@ def replay_gold(env: TextCraftEnv, task: base.Task) -> tuple[TextCraftEpisode, l
   """
   ep = env.new_episode(task)
   msgs = []
-  for step in task.fields.get("gold_trajectory", []):
+  steps = task.fields.get("gold_trajectory", [])
+  needs = [_gold_step_need(env.book, step) for step in steps]
+  for i, step in enumerate(steps):
     item = step["target"][0]
-    # Gold steps sometimes name a concrete member where the recipe takes a tag (and the
-    # inventory then holds a mix of members): map such names back to the recipe's tag first.
-    recipe_tags = [i for r in env.book.recipes.get(item, []) for i in r.ingredients
-                   if i.startswith(TAG_PREFIX)]
-    need: dict[str, int] = {}
-    for k, v in step["ingredients"].items():
-      if not k.startswith(TAG_PREFIX):
-        k = next((t for t in recipe_tags if k in env.book.tag_members(t)), k)
-      need[k] = need.get(k, 0) + v
+    need = needs[i]
+    # Concrete items later steps ask for by name (e.g. acacia_planks for an acacia fence gate):
+    # a tag filled now takes other members first, so those steps are not starved.
+    later: dict[str, int] = {}
+    for n in needs[i + 1:]:
+      for k, v in n.items():
+        if not k.startswith(TAG_PREFIX):
+          later[k] = later.get(k, 0) + v
     ings: dict[str, int] = {}
     inv = ep.view_inventory()
     for k, v in need.items():
@@ -527,11 +541,14 @@ def replay_gold(env: TextCraftEnv, task: base.Task) -> tuple[TextCraftEpisode, l
         continue
       left = v
       for attempt in range(2):
-        for m in env.book.tag_members(k):
-          take = min(left, inv.get(m, 0) - ings.get(m, 0) - need.get(m, 0))
-          if take > 0:
-            ings[m] = ings.get(m, 0) + take
-            left -= take
+        # First what later steps do not need, then (only if that is short) the rest.
+        for reserve in (True, False):
+          for m in env.book.tag_members(k):
+            spare = inv.get(m, 0) - ings.get(m, 0) - need.get(m, 0)
+            take = min(left, spare - (later.get(m, 0) if reserve else 0))
+            if take > 0:
+              ings[m] = ings.get(m, 0) + take
+              left -= take
         if not left or attempt:
           break
         # A few gold steps (3 of the 1,000 training tasks) use one more tag item than the
@@ -545,6 +562,23 @@ def replay_gold(env: TextCraftEnv, task: base.Task) -> tuple[TextCraftEpisode, l
         ings[k] = left   # not enough of the tag: let craft() explain
     msgs.append(ep.craft(ings, (item, int(step["result_count"]))))
   return ep, msgs
+
+
+def _gold_step_need(book: RecipeBook, step: Mapping[str, Any]) -> dict[str, int]:
+  """A gold step's ingredients, with concrete names standing for a recipe tag mapped back.
+
+  Gold steps sometimes name a concrete member where the recipe takes a tag (and the inventory
+  then holds a mix of members): such names count as the recipe's tag.
+  """
+  item = step["target"][0]
+  recipe_tags = [i for r in book.recipes.get(item, []) for i in r.ingredients
+                 if i.startswith(TAG_PREFIX)]
+  need: dict[str, int] = {}
+  for k, v in step["ingredients"].items():
+    if not k.startswith(TAG_PREFIX):
+      k = next((t for t in recipe_tags if k in book.tag_members(t)), k)
+    need[k] = need.get(k, 0) + v
+  return need
 
 
 def _top_up_tag(ep: TextCraftEpisode, book: RecipeBook, tag: str, amount: int) -> str | None:
