@@ -112,7 +112,8 @@ def test_client_server_parity_validation_and_weight_sync(server, model, tmp_path
     for a, b in zip(remote, ref):
       assert a.token_ids == b.token_ids
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-      assert a.finish_reason == FinishReason.LENGTH and a.weight_version == "0"
+      # The server starts at SGLang's "default" version; the client reports its own (0).
+      assert a.finish_reason == FinishReason.LENGTH and a.weight_version == 0
     # Stop ids and context limits map back to the same finish reasons.
     stop_id = ref[0].token_ids[2]
     r = await client.generate(GenerateRequest(ps[0], greedy(8, stop_token_ids=(stop_id,))))
