@@ -269,11 +269,12 @@ class Learner:
 
   Args:
     cfg: LearnerConfig.
-    model_cfg: the policy's ModelConfig.
+    model_cfg: the policy's ModelConfig; the learner keeps its own copy with
+      ``param_dtype = cfg.master_dtype`` (``self.model_cfg``), computing in ``model_cfg.dtype``.
     mesh: a ("data", "fsdp", "tensor") mesh (`rao_jax.model.sharding.make_mesh`); None = one
       device.
     params: initial weights: an nnx Transformer or its nnx.Param state (e.g. from
-      `load_pretrained`); None = random init from cfg.seed.
+      `load_pretrained`), cast to cfg.master_dtype; None = random init from cfg.seed.
 
   Attributes:
     state: the TrainState (sharded on `mesh`; donated to each step, so never keep references to
@@ -284,6 +285,11 @@ class Learner:
     if not isinstance(cfg, LearnerConfig):
       raise TypeError(f"Learner: cfg must be a LearnerConfig, got {type(cfg).__name__}.")
     self.cfg = cfg
+    # Mixed precision: the parameters (masters) and AdamW's moments are kept in
+    # cfg.master_dtype; the model still computes in model_cfg.dtype, casting at each use.
+    if dataclasses.is_dataclass(model_cfg) and hasattr(model_cfg, "param_dtype") \
+        and model_cfg.param_dtype != cfg.master_dtype:
+      model_cfg = dataclasses.replace(model_cfg, param_dtype=cfg.master_dtype)
     self.model_cfg = model_cfg
     self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(1, 1, 1)
     missing = [a for a in sharding_lib.MESH_AXES if a not in self.mesh.shape]
@@ -321,6 +327,10 @@ class Learner:
     else:
       if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
+      # Weights loaded in another dtype (e.g. bfloat16 from a checkpoint) become the masters.
+      master = jnp.dtype(cfg.master_dtype)
+      params = jax.tree.map(
+          lambda x: x.astype(master) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
       sig = lambda t: [(tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]
       if (jax.tree.structure(params) != jax.tree.structure(abstract_params)
           or sig(params) != sig(abstract_params)):

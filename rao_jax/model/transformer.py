@@ -344,15 +344,24 @@ class Transformer(nnx.Module):
     stacked arrays inside it copied the whole model each step and doubled its time. For the
     same reason each layer holds q, k and v fused once here ("wqkv", [D, (H + 2K) h]) in place
     of "wq", "wk", "wv": the training forward fuses them per step, a decode step must not.
+
+    The copies are in the compute dtype ``cfg.dtype``: with float32 master weights (the
+    learner's) and bfloat16 compute, the rollout engine holds and reads bfloat16 weights (half
+    the memory and half the bytes per decode step), and computes exactly what the forward
+    computes (which casts each weight to ``cfg.dtype`` at its use).
     """
+    dt = self.cfg.jnp_dtype
+    own = lambda x: x if x.dtype == dt else x.astype(dt)
     stacked = self.layers.arrays()
     layers = []
     for i in range(self.cfg.n_layers):
-      p = {k: v[i] for k, v in stacked.items()}
+      p = {k: own(v[i]) for k, v in stacked.items()}
       p["wqkv"] = _fused_qkv_weight(p)
       layers.append({k: v for k, v in p.items() if k not in ("wq", "wk", "wv")})
-    return {"embed": self.embed[...], "head": self.head_weight(),
-            "final_norm": self.final_norm[...], "layers": layers}
+    embed = own(self.embed[...])
+    head = embed if self.cfg.tie_embeddings else own(self.lm_head[...])   # one copy when tied
+    return {"embed": embed, "head": head, "final_norm": own(self.final_norm[...]),
+            "layers": layers}
 
   def inference_fns(self) -> "CachedForward":
     """The pure prefill/decode functions over ``inference_params()`` (hashable, jit-static)."""
