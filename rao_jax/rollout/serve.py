@@ -148,6 +148,8 @@ def parse_sampling(sp: Any, default_stop_ids: tuple[int, ...], has_tokenizer: bo
   min_new = _num(sp, "min_new_tokens", 0, int)
   if temperature < 0:
     raise BadRequest(f"temperature={temperature} must be >= 0 (0 = greedy).", "temperature")
+  if temperature < 1e-6:
+    temperature = 0.0      # SGLang treats temperatures below 1e-6 as greedy
   if not 0 < top_p <= 1:
     raise BadRequest(f"top_p={top_p} must be in (0, 1].", "top_p")
   if top_k == 0 or top_k < -1:
