@@ -15,6 +15,9 @@ benchmark deterministic.
     they made and finishes. Helpers whose targets are shallow (depth < `delegate_min_depth`)
     work as single agents.
 It relies on a ChatML-style transcript only through markers it prints itself ("INFO ...").
+Those lines are compact, `INFO <item> (crafting_depth, in_inventory, recipes)`: `can_craft` and
+`is_base` follow from the depth and the recipes, and the model that imitates these
+demonstrations reads (and the learner trains on) every observation token again.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from rao_jax.rollout import base as rollout
 
 _TARGETS = re.compile(r"Craft the following items: ([^\n<]*)")
 _COUNT_ITEM = re.compile(r"(\d+)x ([\w:]+)")
-_INFO = re.compile(r"INFO (\{[^\n]*\})")
+_INFO = re.compile(r"INFO ([\w:]+) (\([^\n]*\))")
 _BUDGET = re.compile(r"your step budget \(your turns plus your helpers' turns\) is (\d+)")
 _DEPTH = re.compile(r"you are at depth (\d+)")
 _DONE_MARK = "# crafting plan"
@@ -67,19 +70,23 @@ def parse_targets(text: str) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _parse_info(line: str) -> dict | None:
+def _parse_info(item: str, line: str) -> dict | None:
+  """get_info's dict back from a compact `(crafting_depth, in_inventory, recipes)` line."""
   try:
-    info = ast.literal_eval(line)
-  except (ValueError, SyntaxError):
+    depth, held, recipes = ast.literal_eval(line)
+  except (ValueError, SyntaxError, TypeError):
     return None
-  return info if isinstance(info, dict) and "item" in info else None
+  if not isinstance(recipes, list):
+    return None
+  return {"item": item, "can_craft": bool(recipes), "is_base": depth == 0,
+          "in_inventory": held, "crafting_depth": depth, "recipes": recipes}
 
 
 def _knowledge(text: str) -> dict[str, dict]:
-  # One "INFO {...}" line per item: a cut observation loses whole lines, which are asked again.
+  # One "INFO ..." line per item: a cut observation loses whole lines, which are asked again.
   known: dict[str, dict] = {}
   for m in _INFO.finditer(text):
-    info = _parse_info(m.group(1))
+    info = _parse_info(m.group(1), m.group(2))
     if info is not None:
       known[info["item"]] = info
   return known
@@ -87,14 +94,16 @@ def _knowledge(text: str) -> dict[str, dict]:
 
 def _info_cell(items) -> str:
   # Keeps the answers in `info` so later cells can pass them to helpers as context.
-  return (f"info = {{i['item']: i for i in get_info({list(items)!r})}}\n"
-          "for i in info.values(): print('INFO', i)")
+  return ("info = {i['item']: (i['crafting_depth'], i['in_inventory'], i['recipes']) "
+          f"for i in get_info({list(items)!r})}}\n"
+          "for k, v in info.items(): print('INFO', k, v)")
 
 
 def _ctx(group: Mapping[str, int], known: Mapping[str, dict]) -> str:
   """Context argument that hands a single-target helper the recipe this node looked up."""
   if len(group) == 1 and next(iter(group)) in known:
-    return f", f\"INFO {{info[{next(iter(group))!r}]}}\""
+    item = next(iter(group))
+    return f", f\"INFO {item} {{info[{item!r}]}}\""
   return ""
 
 

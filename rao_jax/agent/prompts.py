@@ -1,24 +1,22 @@
 """The agent's system prompt and the text of REPL observations."""
 from __future__ import annotations
 
+# Every token of the system prompt is paid for at every node: in prefill, in the context window
+# and in the learner's rows (a 700-token prompt was half of a typical TextCraft node). So the
+# prompt says each thing once, tersely; the tools' own docs say how to call them.
 _INTRO = """\
-You are an agent that solves a task by writing Python code. Your code runs in a persistent \
-Python REPL: variables and imports stay between turns.
-Each turn, think briefly, then write exactly one ```python code block. What it prints is \
-shown to you in the next message. Call the tools below directly from your code.
+Solve the task by writing Python in a persistent REPL. Each turn: one short thought, then one \
+```python block; what it prints comes back to you. Call the tools directly.
 """
 
 _FINISH = """\
-- finish(message: str)
-    Call it when the task is done (or cannot be done): it ends your work and `message` is \
-your final answer, returned to whoever gave you the task.
+- finish(message: str): ends your work (done, or impossible); `message` is your answer.
 """
 
 _RECURSIVE = """\
-Helpers: `await launch_subagent(...)` starts a helper agent with a fresh context that runs \
-the same way you do, and returns its final message. `asyncio` is imported: run independent \
-helpers concurrently with `await asyncio.gather(...)`. Delegate parts of the task that are \
-large and independent; do small parts yourself.
+`await launch_subagent(...)` runs a helper like you, with a fresh context, and returns its \
+final message; run independent helpers at once with `await asyncio.gather(...)`. Delegate \
+large independent parts; do small ones yourself.
 """
 
 

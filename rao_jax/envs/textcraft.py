@@ -333,30 +333,24 @@ class TextCraftEpisode(base.Episode):
       return {"inventory": dict(self.inventory), "num_crafts": self.num_crafts}
 
 
+# Terse on purpose: the docs are in every node's prompt (see agent/prompts.py).
 _TOOL_DOCS = """\
-Tools (call them directly in your code; they act on the shared crafting inventory):
+Tools (on the shared inventory):
 - craft(ingredients: dict, target: tuple[str, int]) -> str
-    Consume `ingredients` and produce `target` = (item, total_count). total_count is the TOTAL
-    number of items produced and must be a multiple of the recipe's result_count; ingredient
-    amounts must equal the recipe's amounts times total_count // result_count (a tag ingredient
-    may be covered by several concrete items of its kind). On failure
-    nothing changes and the message says why.
-    Example: craft({"oak_planks": 2}, ("stick", 4))  # one craft of a 4-stick recipe
+    e.g. craft({"oak_planks": 2}, ("stick", 4)). The count is a multiple of the recipe's
+    result_count; ingredients = recipe amounts x count // result_count. A failed craft
+    changes nothing and says why.
 - get_info(items: list[str]) -> list[dict]
-    Per item: item, can_craft, is_base, in_inventory, crafting_depth (0 = base item) and
-    recipes as [{"ingredients": {...}, "result_count": n}]. A "tag:X" ingredient is a category:
-    pass one concrete item of it (listed in "use_one_of"), never the tag name.
-    Example: print(get_info(["stick", "torch"]))
+    Per item: item, can_craft, is_base, in_inventory, crafting_depth (0 = base), recipes
+    [{"ingredients": {...}, "result_count": n}]. For a "tag:X" ingredient pass one concrete
+    item of "use_one_of".
 - view_inventory() -> dict[str, int]
 """
 
 _SUBAGENT_DOCS = """\
 - await launch_subagent(targets: dict[str, int], num_steps: int, context: str = "") -> str
-    Start a helper agent that crafts `targets` with at most `num_steps` steps, reserved from
-    your remaining step budget. It shares your inventory. Returns its finish message and the
-    steps it used. Run independent helpers concurrently:
-    results = await asyncio.gather(launch_subagent({"a": 1}, 10), launch_subagent({"b": 2}, 10))
-    `context` may pass what you already know (recipes) so the helper saves steps.
+    A helper crafts `targets` into the shared inventory with `num_steps` steps of your
+    budget; returns its finish message. `context` passes what you know (recipes).
 """
 
 
