@@ -5,6 +5,7 @@ rao_jax, only the standard library. The host (``rao_jax.sandbox_host``) starts i
 under bubblewrap, as
 
     python -I -S -B repl.py fd=N memory_mb=.. file_size_mb=.. open_files=.. processes=..
+                            cpu_s=.. max_tool_bytes=.. [uid=..]
                             seccomp=<hex BPF program compiled by the host with pyseccomp>
                             seccomp_after_ready=<hex BPF program>
 
@@ -68,10 +69,11 @@ def _set_limits(cfg):
       "RLIMIT_FSIZE": cfg["file_size_mb"] * mb,
       "RLIMIT_NOFILE": cfg["open_files"],
       "RLIMIT_CORE": 0,
+      "RLIMIT_MSGQUEUE": 0,
   }
-  # RLIMIT_NPROC counts every process of the real uid on the whole machine and the kernel does
-  # not apply it to root at all; the seccomp filter (no fork, no non-thread clone) is what
-  # stops a fork bomb, this limit is a second layer where the uid allows it.
+  # RLIMIT_NPROC is counted per uid (per user namespace) and the kernel does not apply it to
+  # root at all: the host gives the jail a uid of its own (see main); the seccomp filter (no
+  # fork, no non-thread clone) is what stops a fork bomb.
   if os.getuid() != 0 and cfg.get("processes", 0) > 0:
     wanted["RLIMIT_NPROC"] = cfg["processes"]
   applied = {}
@@ -82,7 +84,32 @@ def _set_limits(cfg):
       value = hard
     resource.setrlimit(res, (value, value))
     applied[name] = value
+  if cfg.get("cpu_s", 0) > 0:
+    # CPU of the whole life: SIGXCPU at the soft limit (the host names it), SIGKILL a second
+    # later should the agent's code catch that.
+    cpu = cfg["cpu_s"]
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY and hard < cpu + 1:
+      cpu = hard - 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    applied["RLIMIT_CPU"] = cpu
   return applied
+
+
+def _switch_uid(uid):
+  """Becomes `uid` (and gid) for good; on a root host this is what makes RLIMIT_NPROC apply.
+
+  bwrap left this process CAP_SETUID and CAP_SETGID only; changing every uid away from 0
+  clears all capabilities, so nothing can switch back (checked below).
+  """
+  os.setgroups([])
+  os.setresgid(uid, uid, uid)
+  os.setresuid(uid, uid, uid)
+  try:
+    os.setresuid(0, 0, 0)
+  except PermissionError:
+    return
+  raise RuntimeError("the REPL could switch back to uid 0 after dropping it")
 
 
 def _load_seccomp(bpf_hex):
@@ -128,6 +155,8 @@ def main():
   os.close(null)
   bpf = cfg.get("seccomp", "")
   try:
+    if cfg.get("uid"):
+      _switch_uid(cfg["uid"])
     limits = _set_limits(cfg)
     if bpf:
       _load_seccomp(bpf)
@@ -154,7 +183,7 @@ def main():
     except BaseException:  # pylint: disable=broad-except
       os._exit(1)  # the host sees the channel close and reports a crash
   _late_imports()
-  repl = _Repl(fd, out_r)
+  repl = _Repl(fd, out_r, cfg.get("max_tool_bytes", 1 << 62))
   repl.ensure_loop()
   repl.serve()
 
@@ -318,8 +347,9 @@ def _directly_awaited(frame):
 class _Repl:
   """Protocol loop, cell execution and tool forwarding."""
 
-  def __init__(self, fd, out_r):
+  def __init__(self, fd, out_r, max_tool_bytes):
     self.fd = fd
+    self.max_tool_bytes = max_tool_bytes
     self.out_r = out_r
     self.send_lock = _Lock()
     self.out_lock = _Lock()
@@ -466,10 +496,14 @@ class _Repl:
     try:
       payload = {"op": "tool", "cell": cell, "rid": "", "name": name, "args": list(args),
                  "kwargs": kwargs}
-      _dumps(payload)
+      size = len(_dumps(payload).encode("utf-8"))
     except (TypeError, ValueError) as e:
       raise TypeError(f"{name}(...): arguments must be JSON values (str, int, float, bool, "
                       f"None, list, dict with str keys): {e}") from None
+    if size + 64 > self.max_tool_bytes:
+      raise ToolError(f"{name}(...): the arguments are {size} bytes of JSON; a tool call may "
+                      f"carry at most {self.max_tool_bytes - 64} bytes. Pass less (e.g. a "
+                      f"slice, or a name the tool can look up)")
     loop = None
     aio = sys.modules.get("asyncio")
     if aio is not None:

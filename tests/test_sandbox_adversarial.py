@@ -280,21 +280,30 @@ FIND_PROTOCOL_FD = (
     "fds = [f for f in range(3, 64) if is_sock(f)]\n")
 
 
-def test_forged_messages_on_the_protocol_fd_are_rejected():
+@pytest.mark.parametrize("forged", ["tool-for-another-cell", "done-with-a-guessed-nonce",
+                                    "unknown-op"])
+def test_forged_messages_on_the_protocol_fd_are_rejected(forged):
   calls = []
-  # The agent finds the protocol socket and writes well-formed frames to it: a fake end of
-  # cell with a guessed nonce and a tool call for a cell that is not running are ignored.
+  # The agent finds the protocol socket and writes well-formed frames to it. A tool call for
+  # a cell that is not running is refused (a late call of a finished cell looks the same);
+  # a completion of no request in flight, or an unknown op, ends the sandbox.
+  message = {
+      "tool-for-another-cell": {"op": "tool", "cell": "f" * 32, "rid": "r1", "name": "craft",
+                                "args": ["forged"], "kwargs": {}},
+      "done-with-a-guessed-nonce": {"op": "done", "id": "0" * 32, "output": "FORGED",
+                                    "error": None},
+      "unknown-op": {"op": "hello"}}[forged]
   code = FIND_PROTOCOL_FD + (
       "import json\n"
       "def frame(m):\n  b = json.dumps(m).encode()\n  return len(b).to_bytes(4, 'big') + b\n"
-      "for fd in fds:\n"
-      "  os.write(fd, frame({'op': 'done', 'id': '0' * 32, 'output': 'FORGED', 'error': None}))\n"
-      "  os.write(fd, frame({'op': 'tool', 'cell': 'f' * 32, 'rid': 'r1', 'name': 'craft',\n"
-      "                      'args': ['forged'], 'kwargs': {}}))\n"
-      "  os.write(fd, frame({'op': 'hello'}))\n"
-      "import time\ntime.sleep(0.2)\nprint('real end')")
+      f"for fd in fds:\n  os.write(fd, frame({message!r}))\n"
+      "import time\ntime.sleep(0.5)\nprint('real end')")
   res, _ = attack(code, tools={"craft": lambda x: calls.append(x) or x})
-  assert res.output == "real end\n" and not res.crashed, res.observation
+  if forged == "tool-for-another-cell":
+    assert res.output == "real end\n" and not res.crashed, res.observation
+  else:
+    assert res.crashed and "protocol violation" in res.output, res.observation
+    assert "FORGED" not in res.output
   assert calls == []
 
 
@@ -312,10 +321,13 @@ def test_garbage_on_the_protocol_fd_replaces_the_sandbox():
 
 def test_killing_the_parent_is_contained():
   # The parent in the pid namespace is bwrap's reaper (pid 1), which ignores signals from
-  # inside; the host's processes are not visible at all.
+  # inside (and, on a root host, belongs to another uid than the agent's code); the host's
+  # processes are not visible at all.
   res, _ = attack(
-      "import os, signal\nprint('ppid', os.getppid())\nos.kill(os.getppid(), signal.SIGKILL)\n"
-      "os.kill(1, signal.SIGTERM)\ntry:\n  os.kill(-1, signal.SIGKILL)\n"
+      "import os, signal\nprint('ppid', os.getppid())\n"
+      "for pid, sig in [(os.getppid(), signal.SIGKILL), (1, signal.SIGTERM)]:\n"
+      "  try:\n    os.kill(pid, sig)\n  except PermissionError:\n    pass\n"
+      "try:\n  os.kill(-1, signal.SIGKILL)\n"
       "except ProcessLookupError:\n  print('nobody else to kill')\n"
       "print('parent is out of reach')")
   assert res.output == "ppid 1\nnobody else to kill\nparent is out of reach\n", res.observation
@@ -496,3 +508,306 @@ def test_live_agent_limit_holds_when_launches_are_gathered():
   obs = tree.root.extras["turns"][0]["observation"]
   assert "4 agents are already running in this tree" in obs, obs
   assert 1 <= len(tree.nodes) - 1 <= 3
+
+
+def _shmem_kib():
+  with open("/proc/meminfo", encoding="utf-8") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+def test_shared_memory_outside_the_limits_is_bounded():
+  """Class 1: /dev/shm, /dev, the tmpfs masks over site-packages, memfd and SysV shared memory
+  are all memory the host pays for outside RLIMIT_AS. Each is filled (up to 96 MiB) while the
+  host measures its shared memory: the growth must stay within tmp_size_mb (+ slack)."""
+  cfg = SandboxConfig(isolation="bwrap", memory_mb=256, tmp_size_mb=32, cell_timeout_s=60.0)
+  base = []
+
+  def shmem_growth_mib():
+    return (_shmem_kib() - base[0]) / 1024
+
+  code = (
+      "import ctypes, os, sys\n"
+      "chunk = b'x' * (4 << 20)\nheld, report = [], {}\n"
+      "def fill(name, write, limit=96 << 20):\n"
+      "  done = 0\n"
+      "  try:\n"
+      "    while done < limit:\n"
+      "      write()\n"
+      "      done += len(chunk)\n"
+      "    report[name] = f'{done >> 20} MiB'\n"
+      "  except OSError as e:\n"
+      "    report[name] = f'{done >> 20} MiB then {type(e).__name__}'\n"
+      "def file_writer(path):\n"
+      "  f = open(path, 'wb', buffering=0)\n  held.append(f)\n"
+      "  return lambda: f.write(chunk)\n"
+      "site = os.path.join(os.path.dirname(os.__file__), 'site-packages')\n"
+      "for name, path in [('dev_shm', '/dev/shm/x'), ('dev', '/dev/x'),\n"
+      "                   ('site_packages', site + '/x'), ('tmp', '/tmp/x')]:\n"
+      "  try:\n    fill(name, file_writer(path))\n"
+      "  except OSError as e:\n    report[name] = type(e).__name__\n"
+      "for k in range(3):\n"
+      "  try:\n"
+      "    fd = os.memfd_create(f'm{k}')\n    held.append(fd)\n"
+      "    fill(f'memfd{k}', lambda: os.write(fd, chunk), 32 << 20)\n"
+      "  except OSError as e:\n    report[f'memfd{k}'] = type(e).__name__\n"
+      "libc = ctypes.CDLL(None, use_errno=True)\n"
+      "libc.shmat.restype = ctypes.c_void_p\n"
+      "for k in range(3):\n"
+      "  sid = libc.shmget(0, 32 << 20, 0o1600)\n"
+      "  if sid < 0:\n    report[f'sysv{k}'] = os.strerror(ctypes.get_errno())\n    continue\n"
+      "  addr = libc.shmat(sid, None, 0)\n"
+      "  if addr in (None, ctypes.c_void_p(-1).value):\n"
+      "    report[f'sysv{k}'] = 'shmat: ' + os.strerror(ctypes.get_errno())\n    continue\n"
+      "  ctypes.memset(addr, 1, 32 << 20)\n  libc.shmdt(ctypes.c_void_p(addr))\n"
+      "  report[f'sysv{k}'] = '32 MiB'\n"
+      "print(report)\nprint('growth', round(measure()))\n")
+
+  async def main():
+    pool = SandboxPool(cfg, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      base.append(_shmem_kib())
+      return await sb.run_cell(code, {"measure": shmem_growth_mib})
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  assert res.error is None, res.observation
+  report = eval(res.output.splitlines()[0])  # pylint: disable=eval-used
+  growth = int(res.output.splitlines()[1].split()[1])
+  # /tmp is the one writable tmpfs and fills up to its size; every other way is refused.
+  assert report["tmp"].startswith("32 MiB then OSError") or report["tmp"].startswith(
+      "28 MiB then OSError"), report
+  assert growth <= cfg.tmp_size_mb + 16, (growth, report)
+  for name in ("dev_shm", "dev", "site_packages", "memfd0", "sysv0"):
+    assert not report[name].startswith("32 MiB") and not report[name].startswith("96 MiB"), \
+        (name, report)
+
+
+def test_thread_limit_holds_as_root():
+  """Class 2: RLIMIT_NPROC is not applied to uid 0; the jail runs agents' code under an
+  unprivileged uid so that `processes` bounds its threads whoever runs the host."""
+  cfg = SandboxConfig(isolation="bwrap", processes=64, cell_timeout_s=60.0)
+  res, _ = attack(
+      "import os, threading\nthreading.stack_size(65536)\nstop = threading.Event()\n"
+      "n, err = 0, None\n"
+      "try:\n"
+      "  while n < 2000:\n"
+      "    threading.Thread(target=stop.wait, daemon=True).start()\n    n += 1\n"
+      "except RuntimeError as e:\n  err = str(e)\n"
+      "stop.set()\n"
+      "try:\n  os.setuid(0)\n  regained = True\nexcept PermissionError:\n  regained = False\n"
+      "print(n, err, os.getuid() != 0, regained)", cfg=cfg)
+  n, rest = res.output.split(" ", 1)
+  assert int(n) < 64, res.observation
+  assert rest == "can't start new thread True False\n", res.observation
+
+
+def test_code_does_not_run_between_cells():
+  """Class 3: a background thread started by a cell kept running (and burning CPU) after the
+  cell returned. Between cells nothing of the sandbox may run."""
+  timing = {}
+
+  async def main():
+    pool = SandboxPool(CFG, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      await sb.run_cell(
+          "import threading, time\nticks = []\n"
+          "def spin():\n  while True:\n    ticks.append(time.time())\n    time.sleep(0.01)\n"
+          "threading.Thread(target=spin, daemon=True).start()\ntime.sleep(0.1)")
+      timing["done"] = time.time()
+      await asyncio.sleep(1.0)
+      timing["next"] = time.time()
+      return await sb.run_cell(
+          f"print(sum({timing['done'] + 0.05} < t < {timing['next'] - 0.05} for t in ticks))")
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  assert res.output == "0\n", res.observation
+
+
+def test_cpu_budget_is_a_limit_the_agent_cannot_raise():
+  """Class 3: RLIMIT_CPU bounds the CPU of a sandbox's whole life (tool waits included)."""
+  cfg = SandboxConfig(isolation="bwrap", cpu_time_s=300)
+  res, _ = attack(
+      "import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_CPU)\nprint(soft, hard)\n"
+      "try:\n  resource.setrlimit(resource.RLIMIT_CPU, (hard + 100, hard + 100))\n"
+      "except ValueError:\n  print('cannot raise')", cfg=cfg)
+  assert res.output == "300 301\ncannot raise\n", res.observation
+
+
+def _loop_cpu_probe(gaps):
+  async def beat():
+    last = time.thread_time()
+    while True:
+      await asyncio.sleep(0.01)
+      now = time.thread_time()
+      gaps.append(now - last)
+      last = now
+  return beat
+
+
+FRAME_WRITER = FIND_PROTOCOL_FD + (
+    "def frame(b):\n  return len(b).to_bytes(4, 'big') + b\n")
+
+
+def test_host_event_loop_does_not_pay_for_big_frames():
+  """Class 4: a 32 MiB frame of cheap JSON with an unknown op cost the host loop ~2 s of parsing
+  (every other agent stalled). Unknown ops end the sandbox before the frame is parsed."""
+  gaps = []
+  code = FRAME_WRITER + (
+      "body = b'{\"op\": \"junk\", \"a\": [' + b'0,' * (16 << 20) + b'0]}'\n"
+      "for fd in fds:\n  os.write(fd, frame(body))\n"
+      "import time\ntime.sleep(5)")
+
+  async def main():
+    cfg = SandboxConfig(isolation="bwrap", cell_timeout_s=30.0, memory_mb=512)
+    pool = SandboxPool(cfg, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      beat = asyncio.create_task(_loop_cpu_probe(gaps)())
+      res = await sb.run_cell(code)
+      beat.cancel()
+      return res
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  assert res.crashed and "protocol violation" in res.output, res.observation
+  assert max(gaps) < 0.3, max(gaps)
+
+
+def test_deeply_nested_frame_ends_the_sandbox():
+  """Class 4: a deeply nested frame killed the host's reader task with a RecursionError while
+  the sandbox still counted as alive (its cell then hung until the timeout)."""
+  code = FRAME_WRITER + (
+      "body = b'{\"op\": \"tool\", \"a\": ' + b'[' * 200000 + b']' * 200000 + b'}'\n"
+      "for fd in fds:\n  os.write(fd, frame(body))\n"
+      "import time\ntime.sleep(5)")
+  res, _ = attack(code)
+  assert res.crashed and not res.timed_out and "protocol violation" in res.output, \
+      res.observation
+
+
+def test_pending_tool_calls_cannot_hold_unbounded_host_memory():
+  """Class 5: 24 pending calls of 30 MB held 686 MiB in the host for one sandbox. Pending
+  calls are bounded in count and in bytes; too big an argument is refused inside."""
+  cfg = SandboxConfig(isolation="bwrap", memory_mb=512, cell_timeout_s=60.0)
+  held = []
+
+  def rss_mib():
+    with open("/proc/self/statm", encoding="utf-8") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+  async def hold(data):
+    held.append(len(data))
+    await asyncio.Event().wait()
+
+  base = []
+
+  def report():
+    return [len(held), sum(held), rss_mib() - base[0]]
+
+  code = (
+      "import asyncio\n"
+      "async def wave(size, n=24):\n"
+      "  futs, refused, late = [], 0, 0\n"
+      "  for _ in range(n):\n"
+      "    try:\n      futs.append(asyncio.ensure_future(hold('x' * size)))\n"
+      "    except Exception:\n      refused += 1\n"
+      "  for _ in range(400):\n"
+      "    await asyncio.sleep(0.05)\n"
+      "    late = sum(f.done() and f.exception() is not None for f in futs)\n"
+      "    if refused + late + report()[0] - started >= n:\n"
+      "      break\n"
+      "  return refused + late\n"
+      "started = 0\n"
+      "r1 = await wave(30_000_000, 4)\nstarted = report()[0]\n"
+      "r2 = await wave(3_900_000)\n"
+      "n, total, growth = report()\n"
+      "print(r1, r2, n, total, round(growth))")
+
+  async def main():
+    pool = SandboxPool(cfg, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      base.append(rss_mib())
+      return await sb.run_cell(code, {"hold": hold, "report": report})
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  assert res.error is None, res.observation
+  r1, r2, n, total, growth = map(int, res.output.splitlines()[0].split())
+  assert r1 == 4, res.observation  # every 30 MB argument is refused inside the sandbox
+  assert total <= cfg.max_pending_tool_bytes, res.observation
+  assert n + r2 == 24 and r2 > 0, res.observation
+  assert growth < 2 * cfg.max_pending_tool_bytes / 2**20 + 64, res.observation
+
+
+def test_forged_cell_completion_does_not_let_code_run_on():
+  """Class 7: agent code found the cell's nonce in the REPL's memory and sent `done` while it
+  kept running. Once the host takes a cell as done nothing of the sandbox runs, and the real
+  completion that follows a forged one ends the sandbox."""
+  code = FRAME_WRITER + (
+      "import gc, json, time\n"
+      "repl = next(o for o in gc.get_objects() if type(o).__name__ == '_Repl')\n"
+      "forged = json.dumps({'op': 'done', 'id': repl.cell_id, 'output': 'FORGED', "
+      "'error': None}).encode()\n"
+      "os.write(repl.fd, frame(forged))\n"
+      "ticks = []\nend = time.time() + 1.5\n"
+      "while time.time() < end:\n  ticks.append(time.time())\n  time.sleep(0.01)\n")
+  timing = {}
+
+  async def main():
+    pool = SandboxPool(CFG, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      first = await sb.run_cell(code)
+      timing["done"] = time.time()
+      def state():
+        with open(f"/proc/{sb.repl_pid}/stat", encoding="utf-8") as f:
+          return f.read().rsplit(")", 1)[1].split()[0]
+      # A stop takes effect when the process next runs (it runs no code of its own before),
+      # which on a loaded machine may take a moment; from then on it stays stopped.
+      for _ in range(100):
+        if state() == "T":
+          break
+        await asyncio.sleep(0.02)
+      states = []
+      for _ in range(5):
+        await asyncio.sleep(0.1)
+        states.append(state())
+      second = await sb.run_cell("print(len(ticks))")
+      return first, states, second
+    finally:
+      await pool.close()
+
+  first, states, second = asyncio.run(main())
+  assert first.output == "FORGED"  # what the agent prints is its own business...
+  assert set(states) == {"T"}, states  # ...but nothing runs once the host took the cell as done
+  assert second.crashed and "protocol violation" in second.output, second.observation
+
+
+def test_agents_cannot_signal_each_other_through_shared_files():
+  """Class 8 (decided: closed where cheap): flock, POSIX/OFD locks and inotify on the
+  read-only files every jail shares were a channel between two live agents."""
+  res, _ = attack(
+      "import ctypes, fcntl, os\nout = []\nf = open('/sandbox/repl.py', 'rb')\n"
+      "for name, fn in [('flock', lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)),\n"
+      "                 ('lockf', lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB))]:\n"
+      "  try:\n    fn()\n    out.append(name + ' ok')\n"
+      "  except OSError as e:\n    out.append(name + ' ' + type(e).__name__)\n"
+      "libc = ctypes.CDLL(None, use_errno=True)\n"
+      "ino = libc.inotify_init1(0)\n"
+      "out.append('inotify ' + ('ok' if ino >= 0 else os.strerror(ctypes.get_errno())))\n"
+      "print(out)")
+  assert res.output == ("['flock PermissionError', 'lockf PermissionError', "
+                        "'inotify Operation not permitted']\n"), res.observation

@@ -59,16 +59,35 @@ def test_bwrap_command_line_isolates_and_binds_only_what_python_needs():
   dests = {dest for _, dest, _ in binds}
   assert "/sandbox/repl.py" in dests and "/python/bin/python3" in dests
   assert not any(d.startswith("/etc") and d != "/etc/ld.so.cache" for d in dests)
-  # A private, size-limited /tmp, and the root made read-only after all mounts.
-  i = cmd.index("--tmpfs", cmd.index("--size"))
-  assert cmd[i + 1] == "/tmp"
+  # A private, size-limited /tmp is the one writable filesystem: every other tmpfs (/dev with
+  # its /dev/shm, the site-packages masks) is sized and made read-only, and so is the root,
+  # after all mounts.
+  i = cmd.index("/tmp", cmd.index("--tmpfs"))
+  assert cmd[i - 1] == "--tmpfs" and cmd[i - 3] == "--perms" and cmd[i - 5] == "--size"
+  assert cmd[i - 4] == str(128 << 20)
+  for k, a in enumerate(cmd):
+    if a in ("--tmpfs", "--dev") and cmd[k + 1] != "/tmp":
+      assert cmd[k + 2:k + 4] == ["--remount-ro", cmd[k + 1]], cmd[k - 2:k + 4]
   assert cmd[-4:] == ["--remount-ro", "/", "--seccomp", "9"]
   # The REPL gets its fd, limits and the exec rules (bwrap installs the main filter).
   tail = argv[argv.index("--") + 1:]
   assert "fd=7" in tail and "memory_mb=1024" in tail
   assert any(a.startswith("seccomp_after_ready=") for a in tail)
+  assert "cpu_s=600" in tail and not any(a.startswith("uid=") for a in tail)
   with pytest.raises(ValueError, match="seccomp_fd"):
     jail.bwrap_argv(SandboxConfig(), fd=7)
+
+
+def test_root_host_jail_enters_its_user_namespace_and_switches_uid():
+  argv = jail.bwrap_argv(SandboxConfig(), fd=7, seccomp_fd=9, user=(11, 1005, 1_800_000_005))
+  cmd, tail = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+  assert cmd[cmd.index("--userns") + 1] == "11" and "--unshare-all" not in cmd
+  for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"):
+    assert flag in cmd
+  if os.geteuid() == 0:
+    caps = [cmd[k + 1] for k, a in enumerate(cmd) if a == "--cap-add"]
+    assert cmd[cmd.index("--cap-drop") + 1] == "ALL" and caps == ["CAP_SETUID", "CAP_SETGID"]
+  assert "uid=1005" in tail
 
 
 def test_seccomp_programs_are_compiled_once_and_well_formed():

@@ -26,16 +26,26 @@ class SandboxConfig:
     file_size_mb: largest file the REPL may write (RLIMIT_FSIZE), MiB.
     tmp_size_mb: size of the private /tmp tmpfs (bwrap mode), MiB.
     open_files: RLIMIT_NOFILE of the REPL process.
-    processes: RLIMIT_NPROC where the uid allows it (not root, bwrap mode: counted in the
-      sandbox's own user namespace); 0 leaves it unset. The seccomp filter, which refuses
-      every fork, is what stops a fork bomb in all modes.
+    processes: RLIMIT_NPROC of the REPL, i.e. its threads (bwrap mode; 0 leaves it unset).
+      The kernel never applies it to uid 0, so a host running as root starts the jail in a
+      user namespace of its own where agents' code runs under an unprivileged uid (see
+      jail.py); a host that is not root gets that from bwrap itself. The seccomp filter, which
+      refuses every fork, is what stops a fork bomb in all modes.
+    cpu_time_s: CPU seconds (all threads) one sandbox may use over its whole life
+      (RLIMIT_CPU): past it the sandbox is killed and replaced. It bounds what background
+      threads burn while a cell waits for host tools (that time is not on the cell clock);
+      between cells the host stops the sandbox altogether (SIGSTOP).
     seccomp: install the syscall filter (no non-UNIX sockets, ptrace, mount, namespaces, bpf,
       io_uring, exec, fork). Only tests of the layers beneath turn it off.
     spawn_timeout_s: seconds a new sandbox may take to report ready.
-    tool_arg_max_bytes: largest protocol message (tool call, output) accepted from the
-      sandbox; a bigger one is a protocol violation and the sandbox is replaced.
+    tool_arg_max_bytes: largest tool call (its JSON) the sandbox may send. The REPL refuses
+      a bigger one with an error inside; a bigger frame on the wire is a protocol violation
+      and the sandbox is replaced. It also bounds what parsing one frame costs the host's
+      event loop (~50 ns per byte of the cheapest JSON: 4 MiB ~ 0.2 s at worst).
     max_pending_tool_calls: tool calls one sandbox may have in flight at once; more are
       refused with an error inside the sandbox.
+    max_pending_tool_bytes: total JSON bytes of the tool calls one sandbox has in flight
+      (what the host holds for it); a call past it is refused with an error inside.
     max_concurrent_spawns: sandboxes started at the same time by one pool (CPU-bound).
     extra_ro_paths: more host paths bound read-only at the same place (bwrap mode), e.g. a
       data folder the agents may read.
@@ -52,8 +62,10 @@ class SandboxConfig:
   processes: int = 256
   seccomp: bool = True
   spawn_timeout_s: float = 30.0
-  tool_arg_max_bytes: int = 32 * 1024 * 1024
-  max_pending_tool_calls: int = 256
+  cpu_time_s: int = 600
+  tool_arg_max_bytes: int = 4 * 1024 * 1024
+  max_pending_tool_calls: int = 64
+  max_pending_tool_bytes: int = 32 * 1024 * 1024
   max_concurrent_spawns: int = 8
   extra_ro_paths: tuple[str, ...] = ()
   python: str = ""
@@ -70,6 +82,7 @@ class SandboxConfig:
         "spawn_timeout_s": self.spawn_timeout_s, "tool_arg_max_bytes": self.tool_arg_max_bytes,
         "max_concurrent_spawns": self.max_concurrent_spawns,
         "max_pending_tool_calls": self.max_pending_tool_calls,
+        "max_pending_tool_bytes": self.max_pending_tool_bytes,
     }
     for name, value in positive.items():
       if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -83,6 +96,14 @@ class SandboxConfig:
     if self.open_files < 16:
       raise ValueError(f"SandboxConfig.open_files={self.open_files} is too small; the REPL "
                        f"needs at least 16 (default 256)")
+    if isinstance(self.cpu_time_s, bool) or not isinstance(self.cpu_time_s, int) \
+        or self.cpu_time_s < 1:
+      raise ValueError(f"SandboxConfig.cpu_time_s={self.cpu_time_s!r} must be an int >= 1 "
+                       f"(CPU seconds over the sandbox's life; default 600)")
+    if self.max_pending_tool_bytes < self.tool_arg_max_bytes:
+      raise ValueError(f"SandboxConfig.max_pending_tool_bytes={self.max_pending_tool_bytes} "
+                       f"is below tool_arg_max_bytes={self.tool_arg_max_bytes}: one call of "
+                       f"the largest allowed size could never run; raise it")
     if isinstance(self.processes, bool) or not isinstance(self.processes, int) \
         or self.processes < 0:
       raise ValueError(f"SandboxConfig.processes={self.processes!r} must be an int >= 0 "

@@ -6,14 +6,26 @@ Inside the jail the filesystem is a read-only tmpfs root holding only:
   /python/bin/python3, /python/lib/python3.X[, libpython]  the interpreter and its stdlib
                                                          (its own site-packages masked)
   /sandbox/repl.py                                       the REPL program (stdlib only)
-  /dev (minimal), /tmp (private tmpfs of tmp_size_mb)
-The interpreter is bound under /python rather than at its host path so that neither the home
-folder nor the project folder appears inside, whatever layout the host uses.
+  /dev (minimal, read-only: no /dev/shm), /tmp (private tmpfs of tmp_size_mb)
+/tmp is the only writable filesystem, so it bounds every file the jail can create (tmpfs
+memory is the host's); the other ways to shared memory (memfd, SysV/POSIX IPC) are refused by
+the seccomp filter. The interpreter is bound under /python rather than at its host path so
+that neither the home folder nor the project folder appears inside, whatever layout the host
+uses.
+
+Uid. The kernel never applies RLIMIT_NPROC (the jail's thread limit) to uid 0. A host that is
+not root gets a jail uid from bwrap's own user namespace, mapped to its own uid. A root host
+instead creates, once per process, a user namespace mapping in-namespace 0 to host 0 (bwrap
+needs it to build the jail) and JAIL_UID_BASE + k to HOST_UID_BASE + k; bwrap enters it and
+keeps only CAP_SETUID/CAP_SETGID, and the REPL switches to its own uid JAIL_UID_BASE + k
+before anything else (all capabilities go with it). Each live sandbox gets its own k, so the
+kernel counts threads per sandbox, and what runs agents' code is an unprivileged host uid.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -34,6 +46,13 @@ log = logging.getLogger(__name__)
 
 JAIL_PY = "/python"
 JAIL_DIR = "/sandbox"
+
+# Root hosts only (see the module docstring): jail uids and the host uids they map to. The
+# host range is far above the uids of real accounts and of the usual subordinate-id ranges.
+JAIL_UID_BASE = 1000
+HOST_UID_BASE = 1_800_000_000
+UID_COUNT = 65536
+_uid_counter = itertools.count()
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -134,7 +153,69 @@ def _interpreter(python: str) -> _Interpreter:
                       soname=soname)
 
 
-def repl_args(cfg: SandboxConfig, fd: int) -> list[str]:
+_USERNS_HELPER = (
+    "import ctypes, os, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:\n"
+    "  sys.exit('unshare(CLONE_NEWUSER) failed: ' + os.strerror(ctypes.get_errno()))\n"
+    "os.write(1, b'1')\nos.read(0, 1)\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _root_userns() -> tuple[int, str]:
+  """(fd of the jails' user namespace, "") on a root host, or (-1, why it is unavailable).
+
+  A short-lived helper process unshares a user namespace; this (root) process writes its
+  uid/gid maps and keeps an fd to it, which keeps the namespace alive after the helper exits.
+  """
+  interp = _interpreter("")
+  try:
+    helper = subprocess.Popen([interp.exe, "-I", "-S", "-c", _USERNS_HELPER], env={},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+  except OSError as e:
+    return -1, f"could not start the helper: {e}"
+  try:
+    if helper.stdout.read(1) != b"1":
+      return -1, helper.stderr.read().decode("utf-8", "replace").strip()[-300:]
+    mapping = f"0 0 1\n{JAIL_UID_BASE} {HOST_UID_BASE} {UID_COUNT}\n"
+    for name in ("uid_map", "gid_map"):
+      with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as f:
+        f.write(mapping)
+    return os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC), ""
+  except OSError as e:
+    return -1, f"could not set up its uid map: {e}"
+  finally:
+    helper.stdin.close()
+    helper.wait()
+    helper.stdout.close()
+    helper.stderr.close()
+
+
+def jail_user(cfg: SandboxConfig) -> tuple[int, int, int] | None:
+  """(user namespace fd, jail uid, host uid) for one new sandbox of a root host, else None.
+
+  None on a host that is not root (bwrap's own user namespace does it) and in process mode.
+  On a root host without user namespaces the jail runs as uid 0, with a warning: its threads
+  are then bounded by nothing but memory.
+  """
+  if cfg.isolation != "bwrap" or os.geteuid() != 0:
+    return None
+  fd, why = _root_userns()
+  if fd < 0:
+    _warn_once(f"the sandbox runs agents' code as uid 0 (a user namespace for an "
+               f"unprivileged jail uid could not be made: {why}); RLIMIT_NPROC does not apply "
+               f"to uid 0, so `processes` does not bound the jail's threads")
+    return None
+  k = next(_uid_counter) % UID_COUNT
+  return fd, JAIL_UID_BASE + k, HOST_UID_BASE + k
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+  log.warning(msg)
+
+
+def repl_args(cfg: SandboxConfig, fd: int, jail_uid: int = 0) -> list[str]:
   """The key=value arguments of repl.py: its protocol fd, limits and seccomp program(s).
 
   Under bwrap the main filter is installed by bwrap (see bwrap_argv) and the REPL only adds
@@ -145,7 +226,10 @@ def repl_args(cfg: SandboxConfig, fd: int) -> list[str]:
   # so a sandbox could fail to start its own threads. There, seccomp alone stops forks.
   processes = cfg.processes if cfg.isolation == "bwrap" else 0
   args = [f"fd={fd}", f"memory_mb={cfg.memory_mb}", f"file_size_mb={cfg.file_size_mb}",
-          f"open_files={cfg.open_files}", f"processes={processes}"]
+          f"open_files={cfg.open_files}", f"processes={processes}",
+          f"cpu_s={cfg.cpu_time_s}", f"max_tool_bytes={cfg.tool_arg_max_bytes}"]
+  if jail_uid:
+    args.append(f"uid={jail_uid}")
   if cfg.seccomp:
     try:
       if cfg.isolation == "bwrap":
@@ -193,10 +277,12 @@ def _mirror_system_libs() -> list[str]:
   return args
 
 
-def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None) -> list[str]:
+def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None,
+               user: tuple[int, int, int] | None = None) -> list[str]:
   """The full bubblewrap command line of one REPL whose protocol fd is `fd`.
 
   seccomp_fd: read end of seccomp_pipe(cfg); required when cfg.seccomp.
+  user: jail_user(cfg) on a root host (its fd must be passed to bwrap too), else None.
   """
   if cfg.seccomp and seccomp_fd is None:
     raise ValueError("bwrap_argv: cfg.seccomp needs seccomp_fd (from seccomp_pipe(cfg))")
@@ -204,20 +290,36 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None) -> li
   py_lib = f"{JAIL_PY}/lib"
   jail_stdlib = f"{py_lib}/python{interp.version}"
   opts = _bwrap_options()
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+  argv = ["bwrap"]
+  if user is not None:
+    # The host's user namespace instead of a new one (--unshare-all would make one).
+    argv += ["--userns", str(user[0]), "--unshare-pid", "--unshare-net", "--unshare-ipc",
+             "--unshare-uts", "--unshare-cgroup-try"]
+  else:
+    argv += ["--unshare-all"]
+  argv += ["--die-with-parent", "--new-session"]
   if "--clearenv" in opts:
     argv.append("--clearenv")  # bwrap itself also starts with an empty environment
   if os.geteuid() == 0:
-    # Started as root, the jailed process would otherwise keep every capability.
+    # Started as root, the jailed process would otherwise keep every capability; with a jail
+    # uid it keeps the two it needs to switch to it (the switch clears them).
     argv += ["--cap-drop", "ALL"]
+    if user is not None:
+      argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
   argv += ["--hostname", "sandbox"]
+  # Folders bwrap creates on the way to a mount point are 0700 and owned by the namespace's
+  # root; the jail uid must be able to walk them.
+  for d in ("/usr", "/etc", JAIL_PY, f"{JAIL_PY}/bin", py_lib, JAIL_DIR):
+    argv += ["--perms", "0755", "--dir", d]
   argv += _mirror_system_libs()
   argv += ["--ro-bind", interp.exe, f"{JAIL_PY}/bin/python3",
            "--ro-bind", interp.stdlib, jail_stdlib]
-  # The interpreter's own installed packages are not part of what the REPL needs.
+  # The interpreter's own installed packages are not part of what the REPL needs. The mask
+  # is read-only: a writable tmpfs there would be memory outside every limit.
   for sub in ("site-packages", "dist-packages"):
     if os.path.isdir(os.path.join(interp.stdlib, sub)):
-      argv += ["--tmpfs", f"{jail_stdlib}/{sub}"]
+      argv += ["--size", "4096", "--tmpfs", f"{jail_stdlib}/{sub}",
+               "--remount-ro", f"{jail_stdlib}/{sub}"]
   if interp.libpython:
     argv += ["--ro-bind", interp.libpython,
              f"{py_lib}/{os.path.basename(interp.libpython)}"]
@@ -227,10 +329,12 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None) -> li
   argv += ["--ro-bind", REPL_PATH, f"{JAIL_DIR}/repl.py"]
   for p in cfg.extra_ro_paths:
     argv += ["--ro-bind", p, p]
-  argv += ["--dev", "/dev"]
+  # /dev is a tmpfs of its own with a world-writable /dev/shm in it, bounded by nothing: it is
+  # made read-only (the device nodes are separate mounts and keep working).
+  argv += ["--dev", "/dev", "--remount-ro", "/dev"]
   if "--size" in opts:
     argv += ["--size", str(cfg.tmp_size_mb * 1024 * 1024)]
-  argv += ["--tmpfs", "/tmp",
+  argv += ["--perms", "1777", "--tmpfs", "/tmp",
            "--chdir", "/tmp",
            "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
            "--setenv", "LANG", "C.UTF-8",
@@ -242,7 +346,7 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None) -> li
     # bwrap installs it (with no_new_privs) just before it starts the interpreter.
     argv += ["--seccomp", str(seccomp_fd)]
   argv += ["--", f"{JAIL_PY}/bin/python3", "-I", "-S", "-B", f"{JAIL_DIR}/repl.py"]
-  argv += repl_args(cfg, fd)
+  argv += repl_args(cfg, fd, jail_uid=user[1] if user is not None else 0)
   return argv
 
 

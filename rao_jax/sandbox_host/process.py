@@ -2,7 +2,17 @@
 
 The wire format is described in ``sandbox/repl.py``: 4-byte big-endian length + JSON, on a
 UNIX socketpair whose far end is the REPL's only channel to the host. Everything that comes
-from the sandbox is untrusted: sizes are capped, nonces are checked, unknown messages dropped.
+from the sandbox is untrusted and any breach of the protocol ends the sandbox: a frame must
+start with `{"op": "<known op>"`, within that op's size limit, checked before the rest of the
+frame is read or parsed (so a frame costs the event loop at most one parse of a bounded
+size); a completion must answer the request in flight; nothing may follow the ready message
+before the host asks. Tool calls in flight are bounded in number and in bytes.
+
+Between requests the REPL process is stopped (SIGSTOP through a pidfd; it is continued right
+before the next request is written), so nothing the agent's code left behind (a thread, or
+code still running behind a completion it forged with the nonce it read from the REPL's
+memory) runs while no cell is running. The host learns the REPL's pid (and uid) from the
+kernel, as SCM_CREDENTIALS of the ready message.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 import time
 from typing import Any, Callable, Mapping
@@ -30,6 +41,11 @@ _STDERR_KEEP = 8192
 _EXIT_GRACE_S = 2.0
 _EXIT_WAIT_S = 10.0
 _warned_process_mode = False
+# Frames other than tool calls are small; "done" carries the cell's output (max_output_chars
+# characters, up to 4 bytes each in UTF-8, JSON escapes up to 6) plus a short traceback.
+_SMALL_FRAME = 64 * 1024
+_OPS = ("ready", "fatal", "done", "vars_done", "tool", "cancel")
+_PREFIX = b'{"op": "'
 
 
 class SandboxSpawnError(RuntimeError):
@@ -65,12 +81,16 @@ class ReplProcess:
     self._reader: asyncio.StreamReader | None = None
     self._writer: asyncio.StreamWriter | None = None
     self._tasks: list[asyncio.Task] = []
-    self._ready: asyncio.Future | None = None
     self._waiter: asyncio.Future | None = None  # the reply the host is waiting for
     self._waiter_id = ""
     self._cell_id = ""
     self._tools: Mapping[str, Callable] = {}
     self._tool_tasks: dict[str, asyncio.Task] = {}
+    self._tool_bytes: dict[str, int] = {}  # frame size of each call in flight
+    self.repl_pid = 0   # host pid of the process that runs agents' code (from the kernel)
+    self.repl_uid = -1  # its host uid at ready
+    self._pidfd: int | None = None
+    self._stopped = False
     # The cell clock: a deadline timer that is paused while a host tool call is in flight
     # (unless cfg.timeout_counts_tool_time), so a parent awaiting long subagents is not
     # killed for time spent on the host.
@@ -93,14 +113,19 @@ class ReplProcess:
     cfg = self.cfg
     loop = asyncio.get_running_loop()
     host_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The kernel then attaches the writer's pid and uid (in the host's namespaces) to what the
+    # REPL writes: the ready message tells who runs the agents' code (see _handshake).
+    host_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     fd = child_sock.fileno()
     filter_fd = None
+    user = None
     t0 = time.perf_counter()
     try:
       if cfg.isolation == "bwrap":
         jail.require_bwrap()
         filter_fd = jail.seccomp_pipe(cfg)
-        argv = jail.bwrap_argv(cfg, fd, filter_fd)
+        user = jail.jail_user(cfg)
+        argv = jail.bwrap_argv(cfg, fd, filter_fd, user)
         argv[0] = shutil.which("bwrap") or argv[0]
         # Not even bwrap itself gets the host's environment (it would be readable in the jail
         # through the reaper process otherwise), and the jail has its own cwd.
@@ -112,7 +137,7 @@ class ReplProcess:
         env = {"HOME": self._tmpdir, "TMPDIR": self._tmpdir, "LANG": "C.UTF-8",
                "MALLOC_ARENA_MAX": "2"}
         cwd = self._tmpdir
-      pass_fds = (fd,) if filter_fd is None else (fd, filter_fd)
+      pass_fds = (fd,) + tuple(x for x in (filter_fd, user and user[0]) if x is not None)
       start = asyncio.ensure_future(asyncio.create_subprocess_exec(
           *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
           stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds, env=env, cwd=cwd,
@@ -144,12 +169,12 @@ class ReplProcess:
     try:
       # Inside the try: a cancellation here (a pool closing mid-spawn) must kill the process
       # too, not leave it running with an unclosed transport.
+      self._tasks = [asyncio.create_task(self._read_stderr())]
+      self.info = await asyncio.wait_for(self._handshake(host_sock, user), cfg.spawn_timeout_s)
+      host_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
       self._reader, self._writer = await asyncio.open_unix_connection(
           sock=host_sock, limit=1 << 20)
-      self._ready = loop.create_future()
-      self._tasks = [asyncio.create_task(self._read_loop()),
-                     asyncio.create_task(self._read_stderr())]
-      self.info = await asyncio.wait_for(asyncio.shield(self._ready), cfg.spawn_timeout_s)
+      self._tasks.append(asyncio.create_task(self._read_loop()))
     except (asyncio.TimeoutError, SandboxDied) as e:
       await self.kill()
       why = ("did not report ready within "
@@ -166,6 +191,64 @@ class ReplProcess:
       raise
     self.spawn_s = time.perf_counter() - t0
     return self
+
+  async def _handshake(self, sock: socket.socket, user) -> dict:
+    """Reads the ready message and the kernel's credentials of its writer.
+
+    The pid in SCM_CREDENTIALS is translated by the kernel into this process's pid namespace,
+    so it is the REPL's host pid whatever namespaces bwrap made; the REPL cannot lie about it.
+    """
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    buf = bytearray()
+    creds = None
+    while True:
+      try:
+        data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
+      except BlockingIOError:
+        await _readable(loop, sock.fileno())
+        continue
+      if not data:
+        await self._reap_and_mark()
+        raise SandboxDied(self.dead_reason)
+      for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and creds is None:
+          creds = struct.unpack("3i", cdata[:12])
+      buf += data
+      if len(buf) >= 4:
+        size = int.from_bytes(buf[:4], "big")
+        if size > _SMALL_FRAME:
+          self._violation(f"a first message of {size} bytes")
+          raise SandboxDied(self.dead_reason)
+        if len(buf) >= 4 + size:
+          break
+    try:
+      msg = json.loads(bytes(buf[4:4 + size]))
+    except (ValueError, RecursionError):
+      msg = None
+    if not isinstance(msg, dict) or msg.get("op") not in ("ready", "fatal"):
+      self._violation("a first message that is not ready")
+      raise SandboxDied(self.dead_reason)
+    if msg["op"] == "fatal":
+      self._mark_dead(f"the REPL could not complete its jail: {str(msg.get('error'))[:2000]}")
+      raise SandboxDied(self.dead_reason)
+    if len(buf) > 4 + size:
+      self._violation("bytes after its ready message")
+      raise SandboxDied(self.dead_reason)
+    if creds is None:
+      self._violation("a ready message without credentials")
+      raise SandboxDied(self.dead_reason)
+    self.repl_pid, self.repl_uid = creds[0], creds[1]
+    if user is not None and self.repl_uid != user[2]:
+      self._mark_dead(f"the REPL runs as host uid {self.repl_uid}, not the jail's {user[2]}")
+      raise SandboxDied(self.dead_reason)
+    try:
+      self._pidfd = os.pidfd_open(self.repl_pid)
+    except OSError as e:
+      # Linux < 5.3: no pidfd, so no stop between cells (a pid could be reused meanwhile).
+      log.warning("pidfd_open(%d) failed (%r): the sandbox is not stopped between cells",
+                  self.repl_pid, e)
+    return msg
 
   async def kill(self) -> None:
     """Kills the whole sandbox (bwrap and, through it, the pid namespace) and waits for it."""
@@ -194,6 +277,9 @@ class ReplProcess:
         t.cancel()
       await asyncio.gather(*self._tasks, return_exceptions=True)
     self._tasks = []
+    if self._pidfd is not None:
+      os.close(self._pidfd)
+      self._pidfd = None
     if proc is not None:
       # asyncio.subprocess.Process has no public close(); an unclosed transport would be
       # closed by the garbage collector, possibly after its event loop is gone.
@@ -247,7 +333,7 @@ class ReplProcess:
     if self.dead_reason:
       return
     self.dead_reason = reason
-    for fut in (self._ready, self._waiter):
+    for fut in (self._waiter,):
       if fut is not None and not fut.done():
         fut.set_exception(SandboxDied(reason))
         fut.exception()  # nobody may be waiting any more (a cancelled spawn): no log noise
@@ -283,9 +369,16 @@ class ReplProcess:
     self._deadline_handle = None
     self._update_clock()
     try:
+      if self._stopped:
+        self._signal_repl(signal.SIGCONT)
+        self._stopped = False
       await self._send(msg)
       return await self._waiter
     finally:
+      if self.alive and self._pidfd is not None:
+        # Nothing runs in the sandbox until the next request (see the module docstring).
+        self._signal_repl(signal.SIGSTOP)
+        self._stopped = True
       if self._deadline_handle is not None:
         self._deadline_handle.cancel()
         self._deadline_handle = None
@@ -297,6 +390,13 @@ class ReplProcess:
       for t in self._tool_tasks.values():
         t.cancel()
       self._tool_tasks.clear()
+      self._tool_bytes.clear()
+
+  def _signal_repl(self, sig: int) -> None:
+    try:
+      signal.pidfd_send_signal(self._pidfd, sig)
+    except ProcessLookupError:
+      pass  # already gone: the read loop reports how
 
   def _update_clock(self) -> None:
     """(Re)starts or pauses the cell's deadline after the set of tool calls changed."""
@@ -333,30 +433,53 @@ class ReplProcess:
 
   # ---- incoming -----------------------------------------------------------------------------
 
+  def _frame_limits(self) -> dict:
+    cfg = self.cfg
+    done = cfg.max_output_chars * 6 + 3 * _SMALL_FRAME
+    return {"ready": _SMALL_FRAME, "fatal": _SMALL_FRAME, "done": done,
+            "vars_done": _SMALL_FRAME, "tool": cfg.tool_arg_max_bytes, "cancel": 1024}
+
   async def _read_loop(self) -> None:
     reader = self._reader
-    limit = self.cfg.tool_arg_max_bytes + self.cfg.max_output_chars * 8 + 65536
+    limits = self._frame_limits()
     try:
       while True:
         head = await reader.readexactly(4)
         size = int.from_bytes(head, "big")
-        if size > limit:
-          self._violation(f"a message of {size} bytes (limit {limit})")
+        # The op is read and checked before the rest: an unknown op or an oversized frame
+        # ends the sandbox without the host reading, let alone parsing, its body.
+        prefix = await reader.readexactly(min(size, len(_PREFIX) + 10))
+        end = prefix.find(b'"', len(_PREFIX))
+        op = prefix[len(_PREFIX):end].decode("ascii", "replace") if (
+            prefix.startswith(_PREFIX) and end > 0) else None
+        if op not in limits:
+          self._violation("a message that does not start with a known op")
           return
-        body = await reader.readexactly(size)
+        if size > limits[op]:
+          self._violation(f"a {op!r} message of {size} bytes (limit {limits[op]})")
+          return
+        body = prefix + await reader.readexactly(size - len(prefix))
         try:
           msg = json.loads(body)
-        except ValueError:
-          self._violation("a message that is not JSON")
+        except (ValueError, RecursionError):
+          self._violation("a message that is not JSON (or is nested too deeply)")
           return
-        if not isinstance(msg, dict):
-          self._violation("a message that is not a JSON object")
+        if not isinstance(msg, dict) or msg.get("op") != op:
+          self._violation("a message that is not a JSON object with its op first")
           return
-        self._dispatch(msg)
+        self._dispatch(msg, size)
+        if self.dead_reason:
+          return
+        # One frame per turn of the loop: a sandbox that floods the channel shares the loop.
+        await asyncio.sleep(0)
     except asyncio.IncompleteReadError:
       pass
     except (ConnectionError, OSError) as e:
       log.debug("sandbox %d channel error: %r", self.pid, e)
+    except Exception as e:  # pylint: disable=broad-except
+      # Whatever went wrong, a sandbox whose messages are no longer read must not stay alive.
+      self._violation(f"a message the host could not handle ({type(e).__name__}: {e})")
+      return
     await self._reap_and_mark()
 
   async def _reap_and_mark(self) -> None:
@@ -378,6 +501,8 @@ class ReplProcess:
       except ValueError:
         name = f"signal {num}"
       reason = f"the sandbox process was killed by {name}"
+      if num == signal.SIGXCPU:
+        reason += f" (it used up its CPU budget of {self.cfg.cpu_time_s} s)"
     else:
       reason = f"the sandbox process exited with status {code}"
     err = self._stderr.decode("utf-8", "replace").strip()
@@ -405,29 +530,31 @@ class ReplProcess:
       if room > 0:
         self._stderr += chunk[:room]
 
-  def _dispatch(self, msg: dict) -> None:
+  def _dispatch(self, msg: dict, size: int = 0) -> None:
     op = msg.get("op")
-    if op == "ready":
-      if self._ready is not None and not self._ready.done():
-        self._ready.set_result(msg)
-    elif op == "fatal" and not self.info:
-      self._mark_dead(f"the REPL could not complete its jail: {str(msg.get('error'))[:2000]}")
-    elif op in ("done", "vars_done"):
-      # Only the reply to the request in flight counts: the nonce was never seen before.
+    if op in ("done", "vars_done"):
+      # Only the reply to the request in flight counts: the nonce was never seen before. A
+      # completion of anything else (a forged one, then the real one; a guessed nonce) is a
+      # violation.
       if (self._waiter is not None and not self._waiter.done()
           and msg.get("id") == self._waiter_id and self._waiter_id):
         self._waiter.set_result(msg)
+      else:
+        self._violation(f"a {op!r} for no request in flight")
     elif op == "tool":
-      self._start_tool(msg)
+      self._start_tool(msg, size)
     elif op == "cancel":
-      task = self._tool_tasks.pop(str(msg.get("rid")), None)
+      rid = str(msg.get("rid"))
+      task = self._tool_tasks.pop(rid, None)
+      self._tool_bytes.pop(rid, None)
       if task is not None:
         task.cancel()
         self._update_clock()
     else:
-      log.debug("sandbox %d: ignored message op=%r", self.pid, op)
+      # ready or fatal again: the REPL said these once, before any agent code ran.
+      self._violation(f"a second {op!r} message")
 
-  def _start_tool(self, msg: dict) -> None:
+  def _start_tool(self, msg: dict, size: int = 0) -> None:
     rid = msg.get("rid")
     if not isinstance(rid, str) or not rid or len(rid) > 64:
       return
@@ -446,12 +573,17 @@ class ReplProcess:
     elif len(self._tool_tasks) >= self.cfg.max_pending_tool_calls:
       error = (f"too many tool calls in flight (the limit is "
                f"{self.cfg.max_pending_tool_calls}); await some before starting more")
+    elif sum(self._tool_bytes.values()) + size > self.cfg.max_pending_tool_bytes:
+      error = (f"too many bytes of tool arguments in flight (this call {size}, the limit "
+               f"{self.cfg.max_pending_tool_bytes} for all calls together); await some "
+               f"before starting more")
     if error is not None:
       asyncio.create_task(self._reply_safely({"op": "reply", "rid": rid, "ok": False,
                                               "error": error}))
       return
     task = asyncio.create_task(self._run_tool(rid, name, self._tools[name], args, kwargs))
     self._tool_tasks[rid] = task
+    self._tool_bytes[rid] = size
     self._update_clock()
 
   async def _run_tool(self, rid: str, name: str, fn: Callable, args: list, kwargs: dict):
@@ -475,6 +607,7 @@ class ReplProcess:
     finally:
       if self._tool_tasks.get(rid) is asyncio.current_task():
         del self._tool_tasks[rid]
+        self._tool_bytes.pop(rid, None)
         self._update_clock()
     if self._writer is not None and not self.dead_reason:
       try:
@@ -488,6 +621,15 @@ class ReplProcess:
       await self._send(msg)
     except SandboxDied:
       pass
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+  fut = loop.create_future()
+  loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+  try:
+    await fut
+  finally:
+    loop.remove_reader(fd)
 
 
 def _warn_process_mode() -> None:

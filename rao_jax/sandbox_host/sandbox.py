@@ -78,6 +78,11 @@ class Sandbox:
     return self._proc.pid if self._proc is not None else 0
 
   @property
+  def repl_pid(self) -> int:
+    """Host pid of the process that runs the agent's code (the REPL inside the jail)."""
+    return self._proc.repl_pid if self._proc is not None else 0
+
+  @property
   def closed(self) -> bool:
     return self._closed
 

@@ -37,7 +37,23 @@ DENIED_SYSCALLS = (
     "fork", "vfork",
     "open_by_handle_at", "name_to_handle_at",
     "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "iopl", "ioperm",
+    # Memory the host pays for outside RLIMIT_AS: anonymous files and System V / POSIX IPC
+    # objects live in kernel memory (shmem) and none of them is bounded by the jail's limits
+    # (a memfd grows past them by write(), a SysV segment outlives its mapping).
+    "memfd_create", "memfd_secret",
+    "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+    "semget", "semop", "semtimedop", "semctl",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    # A channel between two live jails: file locks and change notifications on the read-only
+    # files they all share (the REPL, the interpreter, the libraries). See BUILD.md.
+    "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
+    "fanotify_mark",
 )
+
+# fcntl commands that take or query a record lock (POSIX and open-file-description locks).
+F_GETLK, F_SETLK, F_SETLKW = 5, 6, 7
+F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW = 36, 37, 38
+LOCK_FCNTL_CMDS = (F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW)
 
 
 EXEC_SYSCALLS = ("execve", "execveat")
@@ -64,6 +80,8 @@ def _compile(main: bool, exec_: bool) -> bytes:
     # clone3 passes its flags in memory, which seccomp cannot read; ENOSYS makes glibc fall
     # back to clone for new threads, where the rule above applies.
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for cmd in LOCK_FCNTL_CMDS:
+      filt.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, cmd))
   with tempfile.TemporaryFile() as f:
     filt.export_bpf(f)
     f.flush()
@@ -78,7 +96,8 @@ def _compile(main: bool, exec_: bool) -> bytes:
 def main_program() -> bytes:
   """The BPF program (struct sock_filter[]) of the main filter.
 
-  Default allow; EPERM for DENIED_SYSCALLS and for clone without CLONE_THREAD (threads yes,
+  Default allow; EPERM for DENIED_SYSCALLS, for fcntl's record-lock commands and for clone
+  without CLONE_THREAD (threads yes,
   processes no: this is what stops a fork bomb, also for root where RLIMIT_NPROC does not
   apply); EACCES for socket/socketpair of any family but AF_UNIX; ENOSYS for clone3.
   Foreign-architecture syscalls (int 0x80, x32) are killed by libseccomp's default.
