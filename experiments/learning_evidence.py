@@ -1,15 +1,22 @@
-r"""Evidence that RAO learns: SFT warm start on easy tasks, RL on medium, held-out evaluation.
+r"""Evidence that RAO learns: SFT warm start, held-out evaluation, RAO training, evaluation again.
 
-For each agent mode (recursive and single-agent, the same small context window):
-  1. supervised warm start on the scripted policy's easy-task demonstrations;
-  2. evaluation of that starting checkpoint on held-out tasks (greedy);
-  3. RAO training on medium tasks from the starting checkpoint;
-  4. evaluation of the trained checkpoint on the same held-out tasks.
-Writes `benchmarks/results/learning_evidence.json` (success before/after per mode and
-difficulty, the paired difference with its 95% interval over tasks) and a plot beside it.
+For each agent mode (recursive, and single-agent at the same context window):
+  1. `sft`          supervised warm start on the scripted policy's demonstrations (train split);
+  2. `eval_before`  greedy evaluation of that checkpoint on held-out tasks (test split, a
+                    different generator seed: never trained on, never tuned on);
+  3. `rl`           RAO training on train-split tasks from the warm start;
+  4. `eval_after`   greedy evaluation of the trained checkpoint on the same held-out tasks.
+Then `benchmarks/results/learning_evidence.json` (success before/after per mode and difficulty,
+the paired difference per task with its 95% interval, stage times), a plot beside it (training
+curves + before/after bars) and an HTML page of a few held-out trees before and after.
 
-  python -m experiments.learning_evidence --scale=cpu --workdir=runs/evidence
-  python -m experiments.learning_evidence --scale=gpu --workdir=runs/evidence_gpu   # an H200
+Every stage writes its outputs under `--workdir/<mode>/<stage>/` and a `stage.json` marker when
+it is complete; a rerun skips complete stages and resumes the unfinished one from its
+checkpoints (SFT and RL save every step). Nothing is lost when the run is killed.
+
+  python -m experiments.learning_evidence --scale=cpu --workdir=runs/evidence   # ~90 min, 2 CPUs
+  python -m experiments.learning_evidence --scale=tiny --workdir=/tmp/ev        # a smoke run
+  python -m experiments.learning_evidence --scale=gpu --workdir=runs/evidence_gpu
 """
 import json
 import os
@@ -23,42 +30,71 @@ _SCALE = flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu", "gpu"], "Experiment s
 _OUT = flags.DEFINE_string("out", "benchmarks/results/learning_evidence.json", "Result JSON.")
 _MODES = flags.DEFINE_list("modes", ["recursive", "single"], "Agent modes to compare.")
 
-# (eval tasks per difficulty, SFT steps, SFT demos, RL steps, tasks/step, group size)
+# The CPU scale is sized to finish within ~100 minutes on 2 cores (see `minutes` and
+# `stage_minutes` in the result). Its levers, each measured (benchmarks/results/
+# learning_evidence.json keeps the figures of the committed run):
+#  * easy TextCraft-Synth tasks (depth 2-3) for SFT, RL and evaluation: the warm start must
+#    leave room (20-60% success on the RL tasks; 0% or 100% carries no signal);
+#  * a 2,048-token window with the compact prompts (agent/prompts.py): an easy root node with
+#    its look-ups and delegation takes ~1,200 tokens, and every token is paid for in prefill and
+#    in the learner (on this CPU the learner trained ~60 tokens/s at rows of 3,072 tokens and
+#    ~90 at 1,024 while other work ran);
+#  * max_new_tokens 320: the scripted demonstrations' longest cell is ~260 tokens;
+#  * groups whose trees all scored the same carry no advantage: their nodes are not packed
+#    (Learner.prepare), and a step without any signal skips the update;
+#  * held-out trees all evaluated concurrently (64 roots, 32 engine slots);
+#  * lr 1e-5 with one warm-up step and no KL: a full fine-tune of 135M parameters that must
+#    move within ~10 updates.
 _SCALES = {
-    "tiny": dict(eval_tasks=4, sft_steps=4, demos=8, rl_steps=2, tasks_per_step=1, group=2,
-                 ctx=2048, eval_diffs=("medium",)),
-    "cpu": dict(eval_tasks=100, sft_steps=40, demos=64, rl_steps=20, tasks_per_step=2, group=4,
-                ctx=4096, eval_diffs=("medium",)),
-    "gpu": dict(eval_tasks=200, sft_steps=150, demos=256, rl_steps=40, tasks_per_step=8,
-                group=8, ctx=4096, eval_diffs=("medium", "hard")),
+    "tiny": dict(eval_tasks=2, sft_steps=2, demos=4, sft_trees=2, rl_steps=2, tasks_per_step=1,
+                 group=2, ctx=2048, eval_diffs=("easy",), train="easy", lr=1e-5, slots=8),
+    "cpu": dict(eval_tasks=64, sft_steps=6, demos=24, sft_trees=2, rl_steps=8,
+                tasks_per_step=2, group=4, ctx=2048, eval_diffs=("easy",), train="easy",
+                lr=1e-5, slots=32),
+    "gpu": dict(eval_tasks=200, sft_steps=150, demos=256, sft_trees=8, rl_steps=40,
+                tasks_per_step=8, group=8, ctx=4096, eval_diffs=("medium", "hard"),
+                train="medium", lr=2e-6, slots=64),
 }
 
 
-def _config(mode: str, s: dict, train: str):
+def config_for(mode: str, s: dict):
+  """The run config of `mode` at scale `s` (SFT and RL share it)."""
   from experiments.configs import textcraft_synth  # pylint: disable=g-import-not-at-top
   c = textcraft_synth.get_config(f"{mode},ctx=4096")
   c.agent.context_window = s["ctx"]
   c.rollout.max_cache_len = s["ctx"]
+  c.rollout.num_slots = s["slots"]
   c.learner.row_len = s["ctx"]
-  c.env.train_difficulty = train
+  c.learner.micro_batch_rows = 1
+  # Few row counts (each new one compiles the step: a minute or more on 2 cores); rows that
+  # only pad a bucket cost nothing (the step skips micro-batches without loss tokens).
+  c.learner.bucket_rows = (4, 8, 16, 32, 64)
+  c.model.remat = "dots"
+  c.env.train_difficulty = s["train"]
   c.env.eval_difficulties = s["eval_diffs"]
-  c.agent.max_new_tokens = 384
+  c.agent.max_new_tokens = 320
   c.agent.max_steps_per_agent = 6
+  c.agent.max_depth = 2
   c.total_steps = s["rl_steps"]
   c.rl.tasks_per_step = s["tasks_per_step"]
   c.rl.group_size = s["group"]
-  c.eval.every = 10**9         # evaluation happens below, on the full held-out set
+  c.eval.every = 0             # no in-loop evaluation: the held-out stages below do it
   c.eval.num_tasks = s["eval_tasks"]
-  c.ckpt.every = 10
+  c.ckpt.every = 1
+  c.ckpt.keep = 2
+  c.sandbox.pool_size = 16
   c.sft.steps = s["sft_steps"]
   c.sft.num_demos = s["demos"]
-  c.sft.trees_per_step = 2
+  c.sft.trees_per_step = s["sft_trees"]
   c.sft.lr = 1e-4
-  c.optim.lr = 2e-6
+  c.optim.lr = s["lr"]
+  c.optim.warmup_steps = 1
+  c.log.tensorboard = False
   return c
 
 
 def _paired(before: dict, after: dict) -> dict:
+  """Mean paired difference after - before over the same tasks, with a normal 95% interval."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
   ids = sorted(before)
@@ -66,63 +102,173 @@ def _paired(before: dict, after: dict) -> dict:
   lo, hi = X.binomial_ci95(d) if len(d) > 1 else (0.0, 0.0)
   # binomial_ci95 is a normal interval of a mean; differences live in [-1, 1], the same formula.
   return {"delta": float(d.mean()), "ci95": [lo, hi], "n": len(ids),
+          "improved": int((d > 0).sum()), "worsened": int((d < 0).sum()),
           "excludes_zero": bool(lo > 0 or hi < 0)}
+
+
+class _Stages:
+  """Runs named stages once: a stage's result is kept in `<dir>/stage.json` when it completes."""
+
+  def __init__(self, root: str):
+    self.root = root
+    self.minutes: dict[str, float] = {}
+
+  def run(self, name: str, fn):
+    d = os.path.join(self.root, name)
+    marker = os.path.join(d, "stage.json")
+    if os.path.exists(marker):
+      with open(marker) as f:
+        out = json.load(f)
+      self.minutes[name] = out.get("minutes", 0.0)
+      print(f"[{name}] complete in an earlier run ({self.minutes[name]:.1f} min); skipped",
+            flush=True)
+      return out["result"]
+    print(f"[{name}] starting -> {d}", flush=True)
+    os.makedirs(d, exist_ok=True)
+    t0 = time.time()
+    result = fn(d)
+    minutes = (time.time() - t0) / 60
+    self.minutes[name] = minutes
+    with open(marker + ".tmp", "w") as f:
+      json.dump({"minutes": minutes, "result": result}, f, indent=1)
+    os.replace(marker + ".tmp", marker)
+    print(f"[{name}] done in {minutes:.1f} min", flush=True)
+    return result
+
+
+def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
+  """The four stages of one mode; returns (per-difficulty result, stage minutes)."""
+  from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
+  stages = _Stages(os.path.join(root, mode))
+  sft_dir = os.path.join(root, mode, "sft")
+  rl_dir = os.path.join(root, mode, "rl")
+
+  def do_sft(d):
+    r = sft.run_sft(config_for(mode, s), d)
+    return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
+
+  def do_eval(src):
+    def fn(d):
+      r = evaluation.evaluate_checkpoint(src, num_tasks=s["eval_tasks"], modes=(mode,),
+                                         difficulties=s["eval_diffs"], out_dir=d)
+      return r["modes"][mode]
+    return fn
+
+  def do_rl(d):
+    c = config_for(mode, s)
+    c.ckpt.init_from = sft_dir
+    r = trainer.train(c, d)
+    if r["stopped"]:
+      raise SystemExit("RL stopped by a signal; run the same command again to resume.")
+    return {"step": r["step"]}
+
+  stages.run("sft", do_sft)
+  before = stages.run("eval_before", do_eval(sft_dir))
+  stages.run("rl", do_rl)
+  after = stages.run("eval_after", do_eval(rl_dir))
+  per = {}
+  for diff in s["eval_diffs"]:
+    b, a = before[diff], after[diff]
+    per[diff] = {"before": b["success"], "before_ci95": b["ci95"], "after": a["success"],
+                 "after_ci95": a["ci95"], "paired": _paired(b["per_task"], a["per_task"])}
+  return per, stages.minutes
 
 
 def main(argv):
   del argv
-  from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
   s = _SCALES[_SCALE.value]
   root = os.path.abspath(_WORKDIR.value)
   t0 = time.time()
   result = {"scale": _SCALE.value, "settings": {k: list(v) if isinstance(v, tuple) else v
-                                                for k, v in s.items()}, "modes": {}}
+                                                for k, v in s.items()}, "modes": {},
+            "stage_minutes": {}}
+  from rao_jax.model import cpu_kernels  # pylint: disable=g-import-not-at-top
+  result["cpu"] = cpu_kernels.cpuinfo("model name")
   for mode in _MODES.value:
-    sft_dir, rl_dir = os.path.join(root, mode, "sft"), os.path.join(root, mode, "rl")
-    sft.run_sft(_config(mode, s, "easy"), sft_dir)
-    before = evaluation.evaluate_checkpoint(sft_dir, num_tasks=s["eval_tasks"], modes=(mode,),
-                                            difficulties=s["eval_diffs"])
-    c = _config(mode, s, "medium")
-    c.ckpt.init_from = sft_dir
-    trainer.train(c, rl_dir)
-    after = evaluation.evaluate_checkpoint(rl_dir, num_tasks=s["eval_tasks"], modes=(mode,),
-                                           difficulties=s["eval_diffs"])
-    per = {}
-    for diff in s["eval_diffs"]:
-      b, a = before["modes"][mode][diff], after["modes"][mode][diff]
-      per[diff] = {"before": b["success"], "before_ci95": b["ci95"], "after": a["success"],
-                   "after_ci95": a["ci95"], "paired": _paired(b["per_task"], a["per_task"])}
+    per, minutes = run_mode(mode, s, root)
     result["modes"][mode] = per
+    result["stage_minutes"][mode] = minutes
+    result["training"] = result.get("training", {})
+    result["training"][mode] = training_summary(os.path.join(root, mode, "rl"))
     print(json.dumps({mode: per}), flush=True)
-  result["minutes"] = (time.time() - t0) / 60
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  with open(_OUT.value, "w") as f:
+  # Stage minutes add up across reruns; `minutes` is this invocation's wall time.
+  result["minutes"] = sum(sum(m.values()) for m in result["stage_minutes"].values())
+  result["minutes_this_invocation"] = (time.time() - t0) / 60
+  out = os.path.abspath(_OUT.value)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
     json.dump(result, f, indent=2)
-  _plot(result, os.path.splitext(_OUT.value)[0] + ".png")
+  stem = os.path.splitext(out)[0]
+  plot(result, root, stem + ".png")
+  trees_page(root, _MODES.value, stem + "_trees.html")
   print(json.dumps(result))
 
 
-def _plot(result: dict, path: str) -> None:
+def training_summary(rl_dir: str) -> dict:
+  """Per-step curves of the RL run (success, reward, zero-signal groups, times)."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  rows = [r for r in metrics_lib.read_metrics(os.path.join(rl_dir, "metrics.jsonl"))
+          if "train/success" in r]
+  keys = ("train/success", "train/reward", "train/rl/groups_all_equal_frac",
+          "train/learner/grad_norm", "train/time/rollout_s", "train/time/learner_s",
+          "train/time/sync_s", "train/rollout/tokens_per_s", "train/learner/tokens_per_s")
+  return {k.split("/", 1)[1]: [r.get(k) for r in rows] for k in keys}
+
+
+def plot(result: dict, root: str, path: str) -> None:
+  """Training success per RL step (left) and held-out success before/after (right)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  labels, before, after = [], [], []
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+  for mode, tr in result.get("training", {}).items():
+    ys = [y for y in tr.get("success", []) if y is not None]
+    ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{mode}: train success")
+  ax0.set_xlabel("RL step")
+  ax0.set_ylabel("success of the step's sampled trees")
+  ax0.set_ylim(0, 1)
+  ax0.legend()
+  labels, before, after, err_b, err_a = [], [], [], [], []
   for mode, per in result["modes"].items():
     for diff, r in per.items():
-      labels.append(f"{mode}\n{diff}")
+      labels.append(f"{mode}\n{diff}\n(n={r['paired']['n']})")
       before.append(r["before"])
       after.append(r["after"])
+      err_b.append((r["before_ci95"][1] - r["before_ci95"][0]) / 2)
+      err_a.append((r["after_ci95"][1] - r["after_ci95"][0]) / 2)
   xs = range(len(labels))
-  fig, ax = plt.subplots(figsize=(6, 4))
-  ax.bar([x - 0.2 for x in xs], before, 0.4, label="start (SFT)")
-  ax.bar([x + 0.2 for x in xs], after, 0.4, label="after RAO")
-  ax.set_xticks(list(xs), labels)
-  ax.set_ylabel("held-out success")
-  ax.set_ylim(0, 1)
-  ax.legend()
+  ax1.bar([x - 0.2 for x in xs], before, 0.4, yerr=err_b, label="warm start (SFT)")
+  ax1.bar([x + 0.2 for x in xs], after, 0.4, yerr=err_a, label="after RAO")
+  ax1.set_xticks(list(xs), labels)
+  ax1.set_ylabel("held-out greedy success (95% CI)")
+  ax1.set_ylim(0, 1)
+  ax1.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def trees_page(root: str, modes, path: str, per_kind: int = 3) -> None:
+  """Held-out trees of the same tasks before and after RL: improved, worsened, unchanged."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
+  shown = []
+  for mode in modes:
+    load = lambda stage: {t.task_id: t for t in R.load_trees_jsonl(  # pylint: disable=cell-var-from-loop
+        os.path.join(root, mode, stage, "trees.jsonl"))}
+    before, after = load("eval_before"), load("eval_after")
+    kinds = {"improved": [], "worsened": [], "unchanged": []}
+    for tid in sorted(before):
+      if tid not in after:
+        continue
+      b, a = before[tid].root.success or 0.0, after[tid].root.success or 0.0
+      kinds["improved" if a > b else "worsened" if a < b else "unchanged"].append(tid)
+    for kind, tids in kinds.items():
+      for tid in tids[:per_kind]:
+        for stage, t in (("before RL", before[tid]), ("after RL", after[tid])):
+          t.tree_id = f"[{mode}, {kind}, {stage}] {t.tree_id}"
+          shown.append(t)
+  metrics_lib.write_html(shown, path, title="Held-out trees before and after RAO training")
 
 
 if __name__ == "__main__":

@@ -248,14 +248,19 @@ class Trainer:
              "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t_step,
              "rollout/tokens_per_s": rstats.tokens_per_s,
              "rollout/generated_tokens": rstats.generated_tokens,
+             # Every token of a packed row costs the learner (prompts and observations too).
+             "learner/tokens_per_s": batch.stats.get("real_tokens", 0.0) / max(learn_s, 1e-9),
              f"success_{c.env.train_difficulty}": X.success_rate(trees)}
         m.update({f"rl/{k}": v for k, v in adv.stats.items()})
         m.update({f"learner/{k}": v for k, v in lmetrics.items()})
         m.update(metrics_lib.tree_stats(trees))
         self.metrics.write(step, m, prefix="train/")
 
-        if step % int(c.eval.every) == 0 or step == total:
+        every = int(c.eval.every)   # <= 0: no evaluation inside the loop
+        if every > 0 and (step % every == 0 or step == total):
+          t_eval = time.perf_counter()
           last_eval = await stopper.guard(self.evaluate(repls, step))
+          last_eval["time/eval_s"] = time.perf_counter() - t_eval
           self.metrics.write(step, last_eval, prefix="eval/")
         self.learner.save(step, extra={"data_position": step}, force=step == total)
         bar.update(1)

@@ -24,11 +24,16 @@ def test_paired_difference_and_interval():
   assert r["delta"] == pytest.approx(0.0) and not r["excludes_zero"]
 
 
+def _per(before, after, n=64):
+  return {"before": before, "after": after, "before_ci95": [before - 0.1, before + 0.1],
+          "after_ci95": [after - 0.1, after + 0.1], "paired": {"n": n}}
+
+
 def test_plot_writes_png(tmp_path):
-  result = {"modes": {"recursive": {"medium": {"before": 0.1, "after": 0.3}},
-                      "single": {"medium": {"before": 0.2, "after": 0.25}}}}
+  result = {"modes": {"recursive": {"easy": _per(0.1, 0.3)}, "single": {"easy": _per(0.2, 0.25)}},
+            "training": {"recursive": {"success": [0.1, 0.2, None, 0.4]}}}
   path = str(tmp_path / "evidence.png")
-  le._plot(result, path)
+  le.plot(result, str(tmp_path), path)
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.getsize(path) > 1000
@@ -38,7 +43,29 @@ def test_plot_writes_png(tmp_path):
 @pytest.mark.parametrize("mode", ["recursive", "single"])
 def test_configs_build_for_every_scale(scale, mode):
   s = le._SCALES[scale]
-  c = le._config(mode, s, "medium")
-  assert c.agent.mode == mode and c.env.train_difficulty == "medium"
+  c = le.config_for(mode, s)
+  assert c.agent.mode == mode and c.env.train_difficulty == s["train"]
+  assert c.env.eval_difficulties == s["eval_diffs"] and c.eval.every == 0
   assert c.eval.num_tasks == s["eval_tasks"] and c.total_steps == s["rl_steps"]
   assert c.agent.context_window == s["ctx"] == c.learner.row_len
+
+
+def test_stages_run_once_and_resume(tmp_path):
+  """A complete stage is skipped on a rerun (its result read back); a failed one runs again."""
+  calls = []
+
+  def ok(d):
+    calls.append(d)
+    return {"x": 1}
+
+  def boom(d):
+    raise RuntimeError("killed")
+
+  st = le._Stages(str(tmp_path))
+  assert st.run("a", ok) == {"x": 1}
+  with pytest.raises(RuntimeError):
+    st.run("b", boom)
+  st2 = le._Stages(str(tmp_path))
+  assert st2.run("a", ok) == {"x": 1} and len(calls) == 1
+  assert st2.run("b", ok) == {"x": 1} and len(calls) == 2
+  assert set(st2.minutes) == {"a", "b"}

@@ -96,7 +96,7 @@ def base_config() -> config_dict.ConfigDict:
   c.ckpt.init_from = ""              # a checkpoint dir to start from (e.g. an SFT run)
 
   c.eval = config_dict.ConfigDict()
-  c.eval.every = 25                  # evaluate every N steps (and at the end)
+  c.eval.every = 25                  # evaluate every N steps (and at the end); 0 = never
   c.eval.num_tasks = 16              # held-out tasks per difficulty
   c.eval.num_html_trees = 4          # trees rendered to HTML at each evaluation
 
