@@ -277,7 +277,7 @@ FIND_PROTOCOL_FD = (
     "    return False\n"
     # The protocol socket is one of these (the others belong to the REPL's event loop and
     # ignore what they are sent), so the agent writes to all of them.
-    "fds = [f for f in range(3, 64) if is_sock(f)]\n")
+    "fds = [f for f in range(3, 4096) if is_sock(f)]\n")
 
 
 @pytest.mark.parametrize("forged", ["tool-for-another-cell", "done-with-a-guessed-nonce",

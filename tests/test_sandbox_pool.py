@@ -138,10 +138,74 @@ def test_process_mode_still_has_rlimits_and_seccomp():
       "unix ok", "fork EPERM", "thread ok"]
 
 
+# The misbehaving agents of the load test, one per class of issue 20 (class 6, the live-agent
+# limit, is the runtime's: its test is in test_sandbox_adversarial.py; a deeply nested frame,
+# the other half of class 4, takes its place). Each is (attack cell, check of its result).
+_FIND_FD = (
+    "import os, stat\n"
+    "def is_sock(f):\n"
+    "  try:\n    return stat.S_ISSOCK(os.fstat(f).st_mode)\n  except OSError:\n"
+    "    return False\n"
+    "fds = [f for f in range(3, 4096) if is_sock(f)]\n"
+    "def frame(b):\n  return len(b).to_bytes(4, 'big') + b\n")
+BAD_AGENTS = {
+    "shared-memory": (
+        "import os\nout = []\n"
+        "for p in ('/dev/shm/x', '/dev/x'):\n"
+        "  try:\n    open(p, 'wb').write(b'x' * (8 << 20))\n    out.append('WROTE')\n"
+        "  except OSError as e:\n    out.append(e.strerror)\n"
+        "try:\n  os.memfd_create('m')\nexcept OSError as e:\n  out.append(e.strerror)\n"
+        "print(out)",
+        lambda r: r.output == "['Read-only file system', 'Read-only file system', "
+                              "'Operation not permitted']\n"),
+    "threads": (
+        "import threading\nthreading.stack_size(65536)\nstop = threading.Event()\nn = 0\n"
+        "try:\n  while n < 5000:\n"
+        "    threading.Thread(target=stop.wait, daemon=True).start()\n    n += 1\n"
+        "except RuntimeError:\n  pass\nstop.set()\nprint(n)",
+        lambda r: r.error is None and 200 < int(r.output) < 256),
+    "cpu-between-cells": None,  # see the agent below: it needs the host's clock
+    "big-frame": (
+        _FIND_FD + "body = b'{\"op\": \"junk\", \"a\": [' + b'0,' * (16 << 20) + b'0]}'\n"
+        "for fd in fds:\n  os.write(fd, frame(body))\nimport time\ntime.sleep(5)",
+        lambda r: r.crashed and "protocol violation" in r.output),
+    "pending-tool-bytes": (
+        "import asyncio\nfuts = [asyncio.ensure_future(hold('x' * 3_900_000)) for _ in range(24)]\n"
+        "for _ in range(600):\n  await asyncio.sleep(0.05)\n"
+        "  if sum(f.done() for f in futs) >= 16:\n    break\n"
+        "print(sum(f.done() and f.exception() is not None for f in futs))",
+        lambda r: r.error is None and int(r.output.split()[0]) == 16),
+    "nested-frame": (
+        _FIND_FD + "body = b'{\"op\": \"tool\", \"a\": ' + b'[' * 200000 + b']' * 200000 + b'}'\n"
+        "for fd in fds:\n  os.write(fd, frame(body))\nimport time\ntime.sleep(5)",
+        lambda r: r.crashed and not r.timed_out and "protocol violation" in r.output),
+    "forged-done": (
+        _FIND_FD + "import gc, json, time\n"
+        "repl = next(o for o in gc.get_objects() if type(o).__name__ == '_Repl')\n"
+        "os.write(repl.fd, frame(json.dumps({'op': 'done', 'id': repl.cell_id, "
+        "'output': 'FORGED', 'error': None}).encode()))\ntime.sleep(1)",
+        lambda r: r.output == "FORGED"),
+    "shared-file-locks": (
+        "import fcntl\nf = open('/sandbox/repl.py', 'rb')\n"
+        "try:\n  fcntl.flock(f, fcntl.LOCK_SH)\n  print('locked')\n"
+        "except OSError as e:\n  print(e.strerror)",
+        lambda r: r.output == "Operation not permitted\n"),
+}
+
+
+def _rss_mib():
+  with open("/proc/self/statm", encoding="utf-8") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 @needs_bwrap
 @pytest.mark.slow
 def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
-  n_agents, n_cells = 64, 20
+  """56 well-behaved agents and 8 misbehaving ones (one per class of issue 20) at once: no
+  failure among the well-behaved, every attack contained, host memory bounded."""
+  n_agents, n_cells, attack_at = 64, 20, 3
+  bad = list(BAD_AGENTS)
+  n_good = n_agents - len(bad)
   tool_calls = {"n": 0}
 
   def craft(agent, i):
@@ -152,9 +216,12 @@ def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
     await asyncio.sleep(0.001)
     return -(agent * 1000 + i)
 
-  tools = {"craft": craft, "launch_subagent": launch_subagent}
+  async def hold(data):
+    await asyncio.Event().wait()
 
-  async def agent(pool, k):
+  tools = {"craft": craft, "launch_subagent": launch_subagent, "hold": hold}
+
+  async def good_agent(pool, k):
     sb = await pool.acquire()
     try:
       await sb.set_variables({"me": k})
@@ -172,18 +239,60 @@ def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
     finally:
       await pool.release(sb)
 
+  async def bad_agent(pool, name):
+    """Plain cells, the attack at cell `attack_at`; returns (attack result, other results)."""
+    sb = await pool.acquire()
+    windows, attack, others = [], None, []
+    try:
+      for i in range(n_cells):
+        if i == attack_at and name == "cpu-between-cells":
+          code = ("import threading, time\nticks = []\n"
+                  "def spin():\n  while True:\n    ticks.append(time.time())\n"
+                  "    sum(range(20000))\n"
+                  "threading.Thread(target=spin, daemon=True).start()")
+        elif i == n_cells - 1 and name == "cpu-between-cells":
+          # Ticks while the host ran no cell here (it idles 0.2 s after each cell).
+          code = f"print(sum(any(a < t < b for a, b in {windows!r}) for t in ticks))"
+        elif i == attack_at:
+          code = BAD_AGENTS[name][0]
+        else:
+          code = f"print(craft({1000 + bad.index(name)}, {i}))"
+        res = await sb.run_cell(code, tools)
+        if i == attack_at:
+          attack = res
+        else:
+          others.append(res)
+        if name == "cpu-between-cells" and i >= attack_at:
+          t_done = time.time()
+          await asyncio.sleep(0.2)
+          windows.append((t_done + 0.02, time.time() - 0.02))
+      return attack, others
+    finally:
+      await pool.release(sb)
+
+  rss = {"peak": 0.0}
+
+  async def watch_rss():
+    while True:
+      rss["peak"] = max(rss["peak"], _rss_mib())
+      await asyncio.sleep(0.05)
+
   async def main():
     pool = SandboxPool(CFG, size=n_agents)
     await pool.start()
+    rss["base"] = _rss_mib()
+    watcher = asyncio.create_task(watch_rss())
     try:
-      return await asyncio.gather(*(agent(pool, k) for k in range(n_agents)))
+      return await asyncio.gather(*(good_agent(pool, k) for k in range(n_good)),
+                                  *(bad_agent(pool, name) for name in bad))
     finally:
+      watcher.cancel()
       await pool.close()
 
   t0 = time.perf_counter()
   all_results = asyncio.run(main())
   elapsed = time.perf_counter() - t0
-  for k, results in enumerate(all_results):
+  for k, results in enumerate(all_results[:n_good]):
     total = 0
     for i, res in enumerate(results):
       assert res.error is None and not res.timed_out and not res.crashed, (k, i, res)
@@ -192,8 +301,21 @@ def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
         continue
       total += -2 * (k * 1000 + i) if i % 5 == 0 else k * 1000 + i
       assert res.output == f"{total}\n", (k, i, res.output)
-  assert tool_calls["n"] == n_agents * (n_cells - 1 - 3)
-  assert elapsed < 120
+  for name, (attack, others) in zip(bad, all_results[n_good:]):
+    if name == "cpu-between-cells":
+      assert attack.error is None and others[-1].output == "0\n", (name, others[-1])
+    else:
+      assert BAD_AGENTS[name][1](attack), (name, attack)
+    # The bad agent itself goes on: its other cells run (in a fresh sandbox after a kill; a
+    # forged completion is found out, and the sandbox replaced, at the cell after it).
+    after = others[attack_at + (name == "forged-done"):]
+    if name == "forged-done":
+      assert others[attack_at].crashed and "protocol violation" in others[attack_at].output
+    assert all(r.error is None and not r.crashed for r in after), (name, after)
+  assert tool_calls["n"] >= n_good * (n_cells - 1 - 3)
+  # What the host holds for all 64 is bounded (the pending-bytes agent alone may hold 32 MiB).
+  assert rss["peak"] - rss["base"] < 256, rss
+  assert elapsed < 150
 
 
 def test_kill_returns_when_a_leftover_process_holds_the_stderr_pipe(caplog):
