@@ -576,6 +576,7 @@ def test_shared_memory_outside_the_limits_is_bounded():
   assert res.error is None, res.observation
   report = eval(res.output.splitlines()[0])  # pylint: disable=eval-used
   growth = int(res.output.splitlines()[1].split()[1])
+  print(f"shared memory growth {growth} MiB; {report}")
   # /tmp is the one writable tmpfs and fills up to its size; every other way is refused.
   assert report["tmp"].startswith("32 MiB then OSError") or report["tmp"].startswith(
       "28 MiB then OSError"), report
@@ -600,6 +601,7 @@ def test_thread_limit_holds_as_root():
       "try:\n  os.setuid(0)\n  regained = True\nexcept PermissionError:\n  regained = False\n"
       "print(n, err, os.getuid() != 0, regained)", cfg=cfg)
   n, rest = res.output.split(" ", 1)
+  print(f"threads started before the limit: {n}")
   assert int(n) < 64, res.observation
   assert rest == "can't start new thread True False\n", res.observation
 
@@ -678,6 +680,7 @@ def test_host_event_loop_does_not_pay_for_big_frames():
       await pool.close()
 
   res = asyncio.run(main())
+  print(f"most loop-thread CPU between two heartbeats: {max(gaps):.3f} s")
   assert res.crashed and "protocol violation" in res.output, res.observation
   assert max(gaps) < 0.3, max(gaps)
 
@@ -745,6 +748,8 @@ def test_pending_tool_calls_cannot_hold_unbounded_host_memory():
   res = asyncio.run(main())
   assert res.error is None, res.observation
   r1, r2, n, total, growth = map(int, res.output.splitlines()[0].split())
+  print(f"pending calls held: {n} ({total / 2**20:.1f} MiB), refused {r1} + {r2}, "
+        f"host RSS growth {growth} MiB")
   assert r1 == 4, res.observation  # every 30 MB argument is refused inside the sandbox
   assert total <= cfg.max_pending_tool_bytes, res.observation
   assert n + r2 == 24 and r2 > 0, res.observation

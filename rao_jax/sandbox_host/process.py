@@ -72,6 +72,10 @@ def _encode(msg: Mapping[str, Any]) -> bytes:
 class ReplProcess:
   """A started REPL: spawn it, run cells, forward its tool calls, kill it."""
 
+  # Stop the REPL between requests (see the module docstring). Only bench_sandbox turns it
+  # off, to measure what the stop/continue pair costs a cell in alternating rounds.
+  stop_between_requests = True
+
   def __init__(self, cfg: SandboxConfig):
     self.cfg = cfg
     self.proc: asyncio.subprocess.Process | None = None
@@ -375,7 +379,7 @@ class ReplProcess:
       await self._send(msg)
       return await self._waiter
     finally:
-      if self.alive and self._pidfd is not None:
+      if self.alive and self._pidfd is not None and self.stop_between_requests:
         # Nothing runs in the sandbox until the next request (see the module docstring).
         self._signal_repl(signal.SIGSTOP)
         self._stopped = True
