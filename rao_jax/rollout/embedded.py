@@ -318,6 +318,36 @@ class _Slot:
   drop_after: bool = False     # end_session() arrived while a request was running
 
 
+def _buffers(x) -> set[int]:
+  """Device buffer addresses of an array's local shards (empty for non-arrays)."""
+  try:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+  except Exception:   # noqa: BLE001 - not a jax.Array, or a backend without raw pointers
+    return set()
+
+
+def _owned(params, source) -> Any:
+  """`params` with every leaf that shares a device buffer with a leaf of `source` copied.
+
+  The trainer's learner donates its state to each step: an engine array that is a view of a
+  learner parameter (inference_params() returns e.g. the embedding itself when no dtype cast
+  is needed) would be deleted under a rollout in flight. Only such leaves are copied; tied
+  leaves (one array twice) stay one copy.
+  """
+  src = set()
+  for leaf in jax.tree.leaves(source):
+    src |= _buffers(leaf)
+  copies: dict[int, Any] = {}
+
+  def own(x):
+    if not isinstance(x, jax.Array) or not (_buffers(x) & src):
+      return x
+    if id(x) not in copies:
+      copies[id(x)] = jnp.copy(x)
+    return copies[id(x)]
+  return jax.tree.map(own, params)
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
   n = min(len(a), len(b))
   i = 0
@@ -348,7 +378,8 @@ class EmbeddedEngine(Engine):
     self._graphdef, state = nnx.split(model)
     self._state_tree = jax.tree.structure(state)
     self._abstract_state = jax.eval_shape(lambda: state)
-    self._params = model.inference_params()
+    # Own buffers: the model may be a view of a learner state that its step donates.
+    self._params = _owned(model.inference_params(), state)
     fns = model.inference_fns()
     _, len_ax = _cache_axes(model)    # also checks every leaf has a batch axis
     self._len_axes = tuple(jax.tree.leaves(len_ax))
@@ -668,8 +699,9 @@ class EmbeddedEngine(Engine):
         raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
                          f"has {old.shape}; the configs differ.")
       return jnp.asarray(new, old.dtype)
+    given = state
     state = jax.tree.map(cast, state, self._abstract_state)
-    return nnx.merge(self._graphdef, state).inference_params()
+    return _owned(nnx.merge(self._graphdef, state).inference_params(), given)
 
   # ---- scheduler thread -----------------------------------------------------------------------
   def _run(self):
