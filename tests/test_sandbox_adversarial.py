@@ -462,6 +462,7 @@ def test_coroutines_never_awaited_are_contained():
 
 # ---- issue 20: limits that hold as root, against threads, shared memory and the host loop --
 
+@pytest.mark.slow
 def test_live_agent_limit_holds_when_launches_are_gathered():
   """Class 6: launches gathered in one loop iteration all passed the live-agent check before
   any child counted itself (29 live with a limit of 4). Peak overlap of the nodes' lifetimes,
@@ -697,6 +698,7 @@ def test_deeply_nested_frame_ends_the_sandbox():
       res.observation
 
 
+@pytest.mark.slow
 def test_pending_tool_calls_cannot_hold_unbounded_host_memory():
   """Class 5: 24 pending calls of 30 MB held 686 MiB in the host for one sandbox. Pending
   calls are bounded in count and in bytes; too big an argument is refused inside."""
