@@ -196,8 +196,6 @@ def parse_sampling(sp: Any, default_stop_ids: tuple[int, ...], has_tokenizer: bo
                               repetition_penalty=rep)
     except ValueError as e:
       raise BadRequest(str(e)) from None
-  else:
-    params = None
   return _Sampling(params=params, max_new=max_new, n=n, stop_strs=stop_strs, stop_ids=stops,
                    no_stop_trim=no_trim, skip_special=skip_special)
 
@@ -726,13 +724,14 @@ class Server:
     return "stop" if kind == "stop" else "length" if kind == "length" else "abort"
 
   def _completion_logprobs(self, d: _Done, echo: bool, top: int) -> dict:
-    it = d.item
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     toks, lps, tops = [], [], []
     if echo:
-      for k, (lp, t) in enumerate(d.input_lps or []):
+      prompt_top = d.input_top or [None] * len(d.input_lps or [])
+      for (lp, t), alts in zip(d.input_lps or [], prompt_top):
         toks.append(t)
         lps.append(lp)
-        tops.append(None if k == 0 or not top else (d.input_top or [None] * (k + 1))[k])
+        tops.append(alts if top else None)
     for k, t in enumerate(d.ids):
       toks.append(t)
       lps.append(d.logps[k])
@@ -742,7 +741,6 @@ class Server:
     for s in strs:
       offsets.append(pos)
       pos += len(s)
-    del it
     return {"tokens": strs, "token_logprobs": lps, "text_offset": offsets,
             "top_logprobs": [None if a is None else {self._token_str(t): lp for lp, t in a}
                              for a in tops]}
