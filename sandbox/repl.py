@@ -621,7 +621,11 @@ class _Repl:
             f"that makes them]")
       output = self.capture.take()
     except BaseException as e:  # pylint: disable=broad-except
-      output = f"[the REPL could not collect the output: {e!r}]"
+      output = f"[the REPL could not collect the output: {e!r}]"[:2000]
+    if error is not None and len(error) > 8000:
+      # The host keeps 8000 characters, and an oversized completion would be a protocol
+      # violation (e.g. SystemExit('x' * 10**7) shows its whole argument).
+      error = error[:4000] + "\n[... shortened ...]\n" + error[-3000:]
     return {"op": "done", "id": msg["id"], "output": output, "error": error}
 
   def _execute(self, src):

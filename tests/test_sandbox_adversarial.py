@@ -818,3 +818,10 @@ def test_agents_cannot_signal_each_other_through_shared_files():
       "print(out)")
   assert res.output == ("['flock PermissionError', 'lockf PermissionError', "
                         "'inotify Operation not permitted']\n"), res.observation
+
+
+def test_a_huge_error_message_is_shortened_not_a_protocol_violation():
+  """Completions have a size limit now (class 4): the REPL must keep its own within it."""
+  res, _ = attack("raise SystemExit('x' * 1_000_000)")
+  assert not res.crashed and res.error.startswith("SystemExit('xxx"), res.observation
+  assert "[... shortened ...]" in res.error and len(res.error) < 8200

@@ -24,7 +24,9 @@ class SandboxConfig:
     max_output_chars: characters of stdout+stderr kept per cell (a note says what was cut).
     memory_mb: address-space limit of the REPL process (RLIMIT_AS), MiB.
     file_size_mb: largest file the REPL may write (RLIMIT_FSIZE), MiB.
-    tmp_size_mb: size of the private /tmp tmpfs (bwrap mode), MiB.
+    tmp_size_mb: size of the private /tmp tmpfs (bwrap mode), MiB: the one writable
+      filesystem in the jail, so it bounds the host memory the jail can hold outside
+      memory_mb (/dev is read-only; memfd and SysV/POSIX IPC are refused by seccomp).
     open_files: RLIMIT_NOFILE of the REPL process.
     processes: RLIMIT_NPROC of the REPL, i.e. its threads (bwrap mode; 0 leaves it unset).
       The kernel never applies it to uid 0, so a host running as root starts the jail in a

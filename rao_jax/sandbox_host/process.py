@@ -397,6 +397,8 @@ class ReplProcess:
       self._tool_bytes.clear()
 
   def _signal_repl(self, sig: int) -> None:
+    if self._pidfd is None:
+      return  # killed meanwhile (kill() closes the pidfd)
     try:
       signal.pidfd_send_signal(self._pidfd, sig)
     except ProcessLookupError:
