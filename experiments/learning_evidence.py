@@ -28,29 +28,32 @@ from absl import flags
 _WORKDIR = flags.DEFINE_string("workdir", "runs/evidence", "Where the runs go.")
 _SCALE = flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu", "gpu"], "Experiment size.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/learning_evidence.json", "Result JSON.")
-_MODES = flags.DEFINE_list("modes", ["recursive", "single"], "Agent modes to compare.")
+_MODES = flags.DEFINE_list("modes", ["recursive"], "Agent modes to compare (recursive, single).")
 
 # The CPU scale is sized to finish within ~100 minutes on 2 cores (see `minutes` and
 # `stage_minutes` in the result). Its levers, each measured (benchmarks/results/
 # learning_evidence.json keeps the figures of the committed run):
-#  * easy TextCraft-Synth tasks (depth 2-3) for SFT, RL and evaluation: the warm start must
-#    leave room (20-60% success on the RL tasks; 0% or 100% carries no signal);
-#  * a 2,048-token window with the compact prompts (agent/prompts.py): an easy root node with
-#    its look-ups and delegation takes ~1,200 tokens, and every token is paid for in prefill and
-#    in the learner (on this CPU the learner trained ~60 tokens/s at rows of 3,072 tokens and
-#    ~90 at 1,024 while other work ran);
-#  * max_new_tokens 320: the scripted demonstrations' longest cell is ~260 tokens;
-#  * groups whose trees all scored the same carry no advantage: their nodes are not packed
-#    (Learner.prepare), and a step without any signal skips the update;
-#  * held-out trees all evaluated concurrently (64 roots, 32 engine slots);
-#  * lr 1e-5 with one warm-up step and no KL: a full fine-tune of 135M parameters that must
-#    move within ~10 updates.
+#  * the "program" style of scripted demonstrations (agent/policies.py, `program_turn`): after a
+#    warm start on "plan" demonstrations SmolLM2-135M had the protocol but not the arithmetic of
+#    a crafting plan and solved 0 of 50 held-out easy tasks (greedy), which leaves RL no signal;
+#  * easy TextCraft-Synth tasks (depth 2-3) for SFT, RL and evaluation, few SFT steps: the warm
+#    start must leave room (no signal at 0% or 100% success on the RL tasks);
+#  * a 1,536-token window with the compact prompts (agent/prompts.py): a node of a program-style
+#    tree is ~600 tokens, and every token is paid for in prefill and in the learner (on this CPU
+#    the learner trained ~60 tokens/s at rows of 3,072 tokens and ~90 at 1,024 while other work
+#    ran); max_new_tokens 192 (the longest demonstrated cell is ~145 tokens);
+#  * groups whose trees all scored the same carry no advantage at the roots: those nodes are
+#    not packed (Learner.prepare), and a step without any signal skips the update;
+#  * 100 tasks per difficulty and split, so the held-out set has 64 tasks; all evaluated
+#    concurrently (32 engine slots);
+#  * lr 2e-5 with one warm-up step and no KL: a full fine-tune of 135M parameters that must
+#    move within 8 updates.
 _SCALES = {
     "tiny": dict(eval_tasks=2, sft_steps=2, demos=4, sft_trees=2, rl_steps=2, tasks_per_step=1,
-                 group=2, ctx=2048, eval_diffs=("easy",), train="easy", lr=1e-5, slots=8),
-    "cpu": dict(eval_tasks=64, sft_steps=6, demos=24, sft_trees=2, rl_steps=8,
-                tasks_per_step=2, group=4, ctx=2048, eval_diffs=("easy",), train="easy",
-                lr=1e-5, slots=32),
+                 group=2, ctx=1536, eval_diffs=("easy",), train="easy", lr=2e-5, slots=8),
+    "cpu": dict(eval_tasks=64, sft_steps=4, demos=16, sft_trees=2, rl_steps=8,
+                tasks_per_step=2, group=4, ctx=1536, eval_diffs=("easy",), train="easy",
+                lr=2e-5, slots=32),
     "gpu": dict(eval_tasks=200, sft_steps=150, demos=256, sft_trees=8, rl_steps=40,
                 tasks_per_step=8, group=8, ctx=4096, eval_diffs=("medium", "hard"),
                 train="medium", lr=2e-6, slots=64),
@@ -72,8 +75,9 @@ def config_for(mode: str, s: dict):
   c.model.remat = "dots"
   c.env.train_difficulty = s["train"]
   c.env.eval_difficulties = s["eval_diffs"]
-  c.agent.max_new_tokens = 320
-  c.agent.max_steps_per_agent = 6
+  c.env.kwargs.tasks_per_difficulty = 100
+  c.agent.max_new_tokens = 192
+  c.agent.max_steps_per_agent = 4
   c.agent.max_depth = 2
   c.total_steps = s["rl_steps"]
   c.rl.tasks_per_step = s["tasks_per_step"]
@@ -87,6 +91,7 @@ def config_for(mode: str, s: dict):
   c.sft.num_demos = s["demos"]
   c.sft.trees_per_step = s["sft_trees"]
   c.sft.lr = 1e-4
+  c.sft.scripted_style = "program"
   c.optim.lr = s["lr"]
   c.optim.warmup_steps = 1
   c.log.tensorboard = False

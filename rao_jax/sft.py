@@ -24,11 +24,11 @@ from rao_jax.learner import rewards as rewards_lib
 log = logging.getLogger(__name__)
 
 
-def scripted_engine(env_name: str, tokenizer):
-  """The scripted policy of an environment, as a rollout Engine."""
+def scripted_engine(env_name: str, tokenizer, style: str = "plan"):
+  """The scripted policy of an environment, as a rollout Engine (`style`: TextCraft's only)."""
   if env_name in ("textcraft", "textcraft_synth"):
-    from rao_jax.agent.policies import ScriptedTextCraftEngine  # pylint: disable=g-import-not-at-top
-    return ScriptedTextCraftEngine(tokenizer)
+    from rao_jax.agent.policies import ScriptedConfig, ScriptedTextCraftEngine  # pylint: disable=g-import-not-at-top
+    return ScriptedTextCraftEngine(tokenizer, ScriptedConfig(style=style))
   if env_name == "longcontext":
     from rao_jax.envs import longcontext_scripted  # pylint: disable=g-import-not-at-top
     return longcontext_scripted.ScriptedLongContextEngine(tokenizer)
@@ -40,7 +40,7 @@ def scripted_engine(env_name: str, tokenizer):
 
 async def collect_demonstrations(config, env, tokenizer, tasks, repls) -> list[R.TreeRecord]:
   """Scripted trees of `tasks` in the config's mode; only fully successful trees are kept."""
-  engine = scripted_engine(env.name, tokenizer)
+  engine = scripted_engine(env.name, tokenizer, style=str(config.sft.get("scripted_style", "plan")))
   runner = X.make_runner(config, env, engine, tokenizer, repls, greedy=True)
   trees = await runner.run_tasks(tasks, group_size=1)
   kept = [t for t in trees if (t.root.success or 0.0) >= 1.0]

@@ -37,7 +37,9 @@ def base_config() -> config_dict.ConfigDict:
   c.env.train_difficulty = "medium"  # difficulty of training tasks
   c.env.eval_difficulties = ("medium", "hard")   # held-out evaluation sets
   c.env.train_seed = 1               # task generator seed for training tasks
-  c.env.eval_seed = 2               # a different seed: held-out tasks never seen in training
+  c.env.eval_seed = 2                # sampling seed of held-out evaluation (when
+                                     # agent.eval_temperature > 0); held-out tasks are the
+                                     # environment's fixed test split
   c.env.kwargs = config_dict.ConfigDict()        # environment-specific options
 
   c.agent = config_dict.ConfigDict()
@@ -45,7 +47,8 @@ def base_config() -> config_dict.ConfigDict:
   c.agent.context_window = 8192      # tokens per agent (prompt + generated + observations)
   c.agent.max_depth = 4              # recursion depth limit (root = 0)
   c.agent.max_steps_per_agent = 10   # REPL turns per agent
-  c.agent.tree_step_budget = 200     # REPL turns per tree, children reserve from it
+  c.agent.tree_step_budget = 200     # REPL turns per tree (caps each task's own budget),
+                                     # children reserve from it; 0 = the task's budget only
   c.agent.max_live_agents = 16       # concurrent agents per tree
   c.agent.max_new_tokens = 512       # tokens per generated turn
   c.agent.temperature = 1.0          # rollout sampling temperature (learner uses the same)
@@ -62,6 +65,18 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.kl_coef = 0.0                 # KL penalty to the initial policy (0 = off)
   c.rl.overlap = False               # overlap next step's rollouts with this update (1 off-policy)
   c.rl.max_staleness = 1             # with overlap: max weight versions a sample may lag
+  c.rl.max_nonfinite_steps = 3       # non-finite updates in a row (each skipped) that stop the run
+  c.rl.infra_retries = 1             # re-runs of a tree whose engine / sandbox failed; then it
+                                     # is left out of its group's baseline and the loss
+  c.rl.rollout_deadline_s = 0.0      # seconds per step's rollouts, then trees are cut; 0 = none
+  c.rl.deadline_rule = "unfinished"  # cut trees: "unfinished" (scored as they stand) |
+                                     # "drop_group" (their groups leave the batch)
+
+  c.judge = config_dict.ConfigDict()  # success of nodes no verifier covers (else the proxy)
+  c.judge.train = "none"             # none | rule (finished with an answer) | model (LLM judge)
+  c.judge.eval = "none"              # the same choice for in-loop evaluation
+  c.judge.url = ""                   # model judge endpoint; "" = the policy's own engine
+  c.judge.api = "openai"             # endpoint API: openai | sglang
 
   c.optim = config_dict.ConfigDict()
   c.optim.lr = 1e-5                  # peak AdamW learning rate
@@ -110,7 +125,36 @@ def base_config() -> config_dict.ConfigDict:
   c.sft.lr = 5e-5
   c.sft.trees_per_step = 8           # demonstration trees per supervised step
   c.sft.warmup_steps = 0             # linear LR warm-up of the supervised run
+  c.sft.scripted_style = "plan"      # TextCraft demonstrations: plan | program (agent/policies.py)
   return c
+
+
+# Subtrees whose keys belong to the environment or to a split, not to the code reading them.
+FREE_FORM = ("env.kwargs", "env.task_files")
+
+
+def check_keys(config) -> None:
+  """Rejects a key `base_config()` does not know (a typo would otherwise be silently ignored).
+
+  Raises:
+    ValueError: naming the unknown key and the valid keys of its section.
+  """
+  def walk(cfg, ref, prefix):
+    for key in cfg.keys():
+      path = f"{prefix}{key}"
+      if path in FREE_FORM:
+        continue
+      if key not in ref:
+        valid = sorted(ref.keys())
+        raise ValueError(f"config.{path} is not a known setting; valid keys of "
+                         f"{'config.' + prefix.rstrip('.') if prefix else 'config'}: {valid}.")
+      sub, sub_ref = cfg[key], ref[key]
+      if isinstance(sub_ref, config_dict.ConfigDict):
+        if not hasattr(sub, "keys"):
+          raise ValueError(f"config.{path} must be a section with keys {sorted(sub_ref.keys())}, "
+                           f"got {sub!r}.")
+        walk(sub, sub_ref, path + ".")
+  walk(config, base_config(), "")
 
 
 def env_config(env_name: str, args: dict[str, str], default_ctx: int):

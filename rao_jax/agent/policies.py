@@ -38,6 +38,7 @@ _INFO = re.compile(r"INFO ([\w:]+) (\([^\n]*\))")
 _BUDGET = re.compile(r"your step budget \(your turns plus your helpers' turns\) is (\d+)")
 _DEPTH = re.compile(r"you are at depth (\d+)")
 _DONE_MARK = "# crafting plan"
+STYLES = ("plan", "program")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +47,22 @@ class ScriptedConfig:
 
   Attributes:
     delegate_min_depth: a recursive node delegates when its deepest target has at least this
-      crafting depth; shallower targets it crafts itself.
+      crafting depth; shallower targets it crafts itself ("plan" style).
+    style: "plan" looks recipes up and writes the crafts with their counts (what the module
+      docstring describes); "program" writes one short recursive function that looks up and
+      crafts each target from base materials (`program_turn`), and a recursive node with
+      several targets gives each to a helper.
     token_latency_s: simulated seconds per generated token (the benchmark's clock); 0 = none.
     weight_version: reported with every generation.
   """
   delegate_min_depth: int = 3
   token_latency_s: float = 0.0
   weight_version: int | str = "scripted"
+  style: str = "plan"
 
   def __post_init__(self):
+    if self.style not in STYLES:
+      raise ValueError(f"ScriptedConfig.style={self.style!r}: use one of {STYLES}.")
     if self.delegate_min_depth < 1:
       raise ValueError(f"ScriptedConfig.delegate_min_depth={self.delegate_min_depth}: must be >= 1.")
     if self.token_latency_s < 0:
@@ -239,11 +247,48 @@ def _craft_cell(steps, targets: Mapping[str, int], head: str = "") -> str:
   return "\n".join(lines)
 
 
+_SOLVER = """\
+def make(item, n):
+  i = get_info([item])[0]
+  if i['is_base']:
+    return
+  r = i['recipes'][0]
+  k = -(-n // r['result_count'])
+  for x, c in r['ingredients'].items():
+    make(x, c * k)
+  print(craft({x: c * k for x, c in r['ingredients'].items()}, (item, k * r['result_count'])))"""
+
+
+def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
+  """A "program" style turn: one generic cell instead of a plan with computed counts.
+
+  SmolLM2-135M imitating "plan" demonstrations learned their format but not the arithmetic
+  of a plan (0 of 50 held-out easy tasks after a warm start; it crafted top-down with invented
+  counts). The same function solves every TextCraft-Synth task (one recipe per item, and the
+  initial inventory covers each ingredient occurrence crafted on its own), so what a small
+  model must learn is to reproduce it and to pass the goal's targets, or, with several
+  targets, to give each to a helper: mistakes RL can find and fix.
+  """
+  if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
+    return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
+  can_launch = ("await launch_subagent(" in prompt_text
+                and "(you cannot launch helpers)" not in prompt_text)
+  if can_launch and len(targets) > 1:
+    calls = "\n".join(f" launch_subagent({{{item!r}: {n}}}, 20)," for item, n in targets.items())
+    return ("One helper per target.\n```python\nprint(await asyncio.gather(\n" + calls
+            + "\n))\nfinish('done')\n```")
+  calls = "\n".join(f"make({item!r}, {n})" for item, n in targets.items())
+  return ("Craft each target from base items.\n```python\n" + _SOLVER + "\n" + calls
+          + "\nfinish('done')\n```")
+
+
 def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> str:
   """The next turn (reasoning + one code block) of a good TextCraft agent, from its transcript."""
   targets = parse_targets(prompt_text)
   if not targets:
     return "I cannot read the targets.\n```python\nfinish(\"Could not parse the goal.\")\n```"
+  if cfg.style == "program":
+    return program_turn(prompt_text, targets)
   if _DONE_MARK in prompt_text:
     # The crafting cell ran but did not finish (an error stopped it): give up cleanly.
     return ("The crafting cell did not complete.\n```python\n"
