@@ -103,7 +103,8 @@ def runner_config(config, *, recursive: bool | None = None, greedy: bool = False
       max_new_tokens=int(a.max_new_tokens),
       temperature=float(a.eval_temperature if greedy else a.temperature),
       top_p=1.0 if greedy else float(a.top_p),
-      seed=seed)
+      seed=seed,
+      tree_step_budget=int(a.tree_step_budget) or None)
 
 
 def sandbox_pool(config):
@@ -219,8 +220,36 @@ def make_engine(config, model, tokenizer):
   raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
 
 
-def make_runner(config, env, engine, tokenizer, repls, **kw) -> runner_lib.TreeRunner:
-  return runner_lib.TreeRunner(env, engine, tokenizer, repls, runner_config(config, **kw))
+def make_runner(config, env, engine, tokenizer, repls, judge=None,
+                **kw) -> runner_lib.TreeRunner:
+  return runner_lib.TreeRunner(env, engine, tokenizer, repls, runner_config(config, **kw),
+                               judge=judge)
+
+
+JUDGES = ("none", "rule", "model")
+
+
+def make_judge(config, phase: str, engine, tokenizer):
+  """The judge of `config.judge.train` / `config.judge.eval` (phase "train" / "eval").
+
+  "none": nodes no verifier scores take the root's success (the proxy); "rule":
+  `judge.RuleJudge` (finished with a non-empty answer); "model": `judge.LLMJudge` on the
+  policy's own engine, or on the endpoint `config.judge.url` (`config.judge.api`). The source
+  of every success is kept in the tree records (`success_source`, `extras["judge"]`).
+  """
+  if phase not in ("train", "eval"):
+    raise ValueError(f"make_judge: phase={phase!r}, use 'train' or 'eval'.")
+  j = config.get("judge") if hasattr(config, "get") else None
+  kind = str(j[phase]) if j is not None else "none"
+  if kind not in JUDGES:
+    raise ValueError(f"config.judge.{phase}={kind!r}: use one of {JUDGES}.")
+  from rao_jax.envs import judge as judge_lib  # pylint: disable=g-import-not-at-top
+  if kind == "none":
+    return None
+  if kind == "rule":
+    return judge_lib.RuleJudge()
+  return judge_lib.LLMJudge.for_policy(engine, tokenizer, url=str(j.url) or None,
+                                       api=str(j.api) or None)
 
 
 @dataclasses.dataclass

@@ -15,11 +15,28 @@ checkpoint and return; running the same command again resumes.
 
 With `config.rl.overlap`, the rollouts of step s+1 run (on the engine's weights of step s)
 while the learner updates step s: samples are one version stale, which the clipped-ratio
-losses correct for; a batch staler than `config.rl.max_staleness` is re-collected.
+losses correct for; a batch staler than `config.rl.max_staleness` is re-collected. Every node
+records its staleness (`extras["staleness"]`: the step minus the oldest weight version it was
+sampled with). The engine holds its own copies of the weights, so the learner's donated state
+is never read by a rollout in flight.
+
+Faults the loop survives (each counted in the `train/faults/*` metrics):
+  * a non-finite update is refused by the learner (state unchanged), logged and skipped; the
+    learning-rate schedule counts applied updates only (the learner's own step counter);
+    `config.rl.max_nonfinite_steps` of them in a row stop the run with `TrainingDivergedError`
+    after a checkpoint of the last finite state;
+  * a tree whose infrastructure failed (engine error or abort, sandbox crash or setup failure:
+    the runner's `extras["infra_error"]`) is re-run `config.rl.infra_retries` times, then left
+    out of its group's baseline and of the loss (never scored as the agent's failure); a group
+    left with fewer than 2 trees is dropped;
+  * with `config.rl.rollout_deadline_s` > 0, trees still running that long after the step's
+    rollouts began are cut (their nodes end with "timeout"); `config.rl.deadline_rule` then
+    either scores them as they stand ("unfinished") or drops their groups ("drop_group").
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -38,6 +55,85 @@ log = logging.getLogger(__name__)
 
 class _StopRequested(Exception):
   pass
+
+
+class TrainingDivergedError(RuntimeError):
+  """Too many non-finite updates in a row; the last finite state was checkpointed."""
+
+
+DEADLINE_RULES = ("unfinished", "drop_group")
+
+
+def infra_error(tree: R.TreeRecord) -> str | None:
+  """The first infrastructure failure of `tree` (engine, sandbox), or None."""
+  for n in tree.nodes:
+    if n.extras.get("infra_error"):
+      return str(n.extras["infra_error"])
+  return None
+
+
+def deadline_cut(tree: R.TreeRecord) -> bool:
+  return bool(tree.meta.get("deadline_cut")) or any("deadline" in n.extras for n in tree.nodes)
+
+
+async def collect_group(runner, task, group_size: int, *, deadline: float | None = None,
+                        infra_retries: int = 1, deadline_rule: str = "unfinished"
+                        ) -> tuple[list[R.TreeRecord], list[R.TreeRecord], dict[str, float]]:
+  """The K trees of one task with the trainer's fault rules.
+
+  Trees whose infrastructure failed are re-run (same group, a new tree id) up to
+  `infra_retries` times; still failing, they are excluded. Trees cut by `deadline` are kept
+  (rule "unfinished") or take their whole group out (rule "drop_group"). A group left with
+  fewer than 2 trees has no leave-one-out baseline and is dropped.
+
+  Returns:
+    (kept trees, every tree run including the excluded ones (their `meta["excluded"]` says
+    why), counters: infra_failed_trees, infra_retries, infra_excluded_trees,
+    deadline_cut_trees, groups_dropped).
+  """
+  if deadline_rule not in DEADLINE_RULES:
+    raise ValueError(f"deadline_rule={deadline_rule!r}: use one of {DEADLINE_RULES}.")
+  import uuid  # pylint: disable=g-import-not-at-top
+  gid = f"{task.task_id}/{uuid.uuid4().hex[:8]}"
+  trees = list(await asyncio.gather(*(
+      runner.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
+      for k in range(group_size))))
+  stats = {"infra_failed_trees": 0.0, "infra_retries": 0.0, "infra_excluded_trees": 0.0,
+           "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
+  every = list(trees)
+  stats["infra_failed_trees"] = float(sum(infra_error(t) is not None for t in trees))
+  for attempt in range(1, infra_retries + 1):
+    bad = [k for k, t in enumerate(trees) if infra_error(t) is not None]
+    if not bad:
+      break
+    stats["infra_retries"] += len(bad)
+    for k in bad:
+      trees[k].meta["excluded"] = f"infrastructure failure, retried: {infra_error(trees[k])}"
+    redo = await asyncio.gather(*(
+        runner.run_tree(task, tree_id=f"{gid}/{k}.retry{attempt}", group_id=gid,
+                        deadline=deadline) for k in bad))
+    for k, t in zip(bad, redo):
+      trees[k] = t
+      every.append(t)
+  kept = []
+  for t in trees:
+    err = infra_error(t)
+    if err is not None:
+      t.meta["excluded"] = f"infrastructure failure: {err}"
+      stats["infra_excluded_trees"] += 1
+    else:
+      kept.append(t)
+  cut = [t for t in kept if deadline_cut(t)]
+  stats["deadline_cut_trees"] = float(len(cut))
+  if (cut and deadline_rule == "drop_group") or len(kept) < 2:
+    why = ("a tree passed the rollout deadline (deadline_rule='drop_group')" if
+           cut and deadline_rule == "drop_group" else
+           f"{len(kept)} usable tree(s) left: the leave-one-out baseline needs 2")
+    for t in kept:
+      t.meta["excluded"] = f"group dropped: {why}"
+    stats["groups_dropped"] = 1.0
+    kept = []
+  return kept, every, stats
 
 
 class _Stopper:
@@ -83,6 +179,8 @@ class _Stopper:
 
 
 def _validate(config) -> None:
+  from experiments.configs import base as base_cfg  # pylint: disable=g-import-not-at-top
+  base_cfg.check_keys(config)
   if int(config.rl.group_size) < 2:
     raise ValueError(
         f"config.rl.group_size={config.rl.group_size}: the leave-one-out baseline needs K >= 2 "
@@ -91,6 +189,17 @@ def _validate(config) -> None:
     raise ValueError(
         f"config.rl.overlap=True samples one step off-policy; config.rl.loss={config.rl.loss!r} "
         "has no importance ratio. Use --config.rl.loss=ppo_clip or cispo.")
+  if config.rl.deadline_rule not in DEADLINE_RULES:
+    raise ValueError(f"config.rl.deadline_rule={config.rl.deadline_rule!r}: use one of "
+                     f"{DEADLINE_RULES}.")
+  if float(config.rl.rollout_deadline_s) < 0:
+    raise ValueError(f"config.rl.rollout_deadline_s={config.rl.rollout_deadline_s}: use a number "
+                     "of seconds > 0, or 0 for no deadline.")
+  if int(config.rl.max_nonfinite_steps) < 1:
+    raise ValueError(f"config.rl.max_nonfinite_steps={config.rl.max_nonfinite_steps}: must be "
+                     ">= 1 (non-finite updates in a row that stop the run).")
+  if int(config.rl.infra_retries) < 0:
+    raise ValueError(f"config.rl.infra_retries={config.rl.infra_retries}: must be >= 0.")
 
 
 class Trainer:
@@ -162,20 +271,34 @@ class Trainer:
 
   # -- rollouts --------------------------------------------------------------------------------
 
-  async def collect(self, runner, step: int) -> tuple[list[R.TreeRecord], X.RolloutStats]:
+  async def collect(self, runner, step: int
+                    ) -> tuple[list[R.TreeRecord], X.RolloutStats, list[R.TreeRecord], dict]:
+    """(trees to train on, stats, every tree run, fault counters) of step `step`."""
     c = self.config
     tasks = X.train_tasks_for_step(self.train_tasks, step, int(c.rl.tasks_per_step),
                                    int(c.env.train_seed))
     t0 = time.perf_counter()
-    trees = await runner.run_tasks(tasks, group_size=int(c.rl.group_size))
+    limit = float(c.rl.rollout_deadline_s)
+    deadline = t0 + limit if limit > 0 else None
+    groups = await asyncio.gather(*(
+        collect_group(runner, task, int(c.rl.group_size), deadline=deadline,
+                      infra_retries=int(c.rl.infra_retries), deadline_rule=c.rl.deadline_rule)
+        for task in tasks))
     wall = time.perf_counter() - t0
-    toks = sum(n.num_generated_tokens for t in trees for n in t.nodes)
-    return trees, X.RolloutStats(wall, toks)
+    trees = [t for kept, _, _ in groups for t in kept]
+    every = [t for _, run, _ in groups for t in run]
+    faults = collections.Counter()
+    for _, _, st in groups:
+      faults.update(st)
+    toks = sum(n.num_generated_tokens for t in every for n in t.nodes)
+    return trees, X.RolloutStats(wall, toks), every, dict(faults)
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
     """Greedy held-out evaluation per difficulty; writes trees and an HTML page."""
     c = self.config
-    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls, greedy=True)
+    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls, greedy=True,
+                           seed=int(c.env.eval_seed),
+                           judge=X.make_judge(c, "eval", self.engine, self.tokenizer))
     out, all_trees = {}, []
     for diff in c.env.eval_difficulties:
       tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
@@ -202,62 +325,89 @@ class Trainer:
     stopper.install(loop)
     repls = X.sandbox_pool(c)
     await repls.start()
-    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls)
+    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls,
+                           judge=X.make_judge(c, "train", self.engine, self.tokenizer))
     total = int(c.total_steps)
     step = self.start_step
     last_eval: dict[str, float] = {}
     self.sync_weights(step)
     await self._finish_sync()
     bar = _progress(total, step, enabled=c.log.progress)
+    guard = NonFiniteGuard(int(c.rl.max_nonfinite_steps))
+    fault_totals = collections.Counter()
     next_batch = None
     stopped = False
     try:
       while step < total:
         t_step = time.perf_counter()
         if next_batch is None:
-          trees, rstats = await stopper.guard(self.collect(runner, step))
+          trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
         else:
-          trees, rstats = await stopper.guard(next_batch)
+          trees, rstats, every, faults = await stopper.guard(next_batch)
           next_batch = None
-          stale = step - min(int(n.weight_version or 0) for t in trees for n in t.nodes)
+          versions = [int(n.weight_version or 0) for t in trees for n in t.nodes]
+          stale = step - min(versions) if versions else 0
           if stale > int(c.rl.max_staleness):
             log.warning("Step %d: batch %d versions stale (> max_staleness=%d); re-collecting.",
                         step, stale, c.rl.max_staleness)
-            trees, rstats = await stopper.guard(self.collect(runner, step))
-        R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), trees)
+            trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
+        staleness = record_staleness(every, step)
+        R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
+        fault_totals.update(faults)
 
-        batch, adv = self.learner.prepare(trees)
+        batch, adv = self.learner.prepare(trees) if trees else (None, None)
         if c.rl.overlap and step + 1 < total:
           next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
         t_learn = time.perf_counter()
-        if batch.stats.get("nodes_packed", 0) > 0:
-          lmetrics = await asyncio.to_thread(self.learner.step, batch)
+        if batch is not None and batch.stats.get("nodes_packed", 0) > 0:
+          lmetrics = await asyncio.to_thread(guard.step, self.learner, batch, step)
         else:
-          # Every group had equal rewards: no gradient signal. An Adam step on zeros would
-          # still move the weights along its momentum, so the update is skipped.
+          # Every group had equal rewards (or every group was dropped): no gradient signal.
+          # An Adam step on zeros would still move the weights along its momentum, so the
+          # update is skipped.
           lmetrics = {"skipped": 1.0}
         learn_s = time.perf_counter() - t_learn
         step += 1
         sync_s = self.sync_weights(step)
         await self._finish_sync()
 
-        m = {"reward": float(np.mean(adv.reward_N[[i for i, n in enumerate(adv.node_ids)
-                                                   if n == "0"]])),
-             "success": X.success_rate(trees),
+        success = X.success_rate(trees)
+        reward = (float(np.mean(adv.reward_N[[i for i, n in enumerate(adv.node_ids)
+                                              if n == "0"]])) if adv is not None else 0.0)
+        m = {"reward": reward,
+             "success": success,
              "time/rollout_s": rstats.wall_s, "time/learner_s": learn_s,
              "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t_step,
              "rollout/tokens_per_s": rstats.tokens_per_s,
              "rollout/generated_tokens": rstats.generated_tokens,
              # Every token of a packed row costs the learner (prompts and observations too).
-             "learner/tokens_per_s": batch.stats.get("real_tokens", 0.0) / max(learn_s, 1e-9),
-             f"success_{c.env.train_difficulty}": X.success_rate(trees)}
-        m.update({f"rl/{k}": v for k, v in adv.stats.items()})
+             "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
+                                     / max(learn_s, 1e-9),
+             # The learning-rate schedule's position: updates actually applied.
+             "learner/applied_updates": float(self.learner.step_count),
+             f"success_{c.env.train_difficulty}": success}
+        m.update(staleness)
+        m.update({f"faults/{k}": float(v) for k, v in faults.items()})
+        m.update({f"faults/total_{k}": float(v) for k, v in fault_totals.items()})
+        m["faults/nonfinite_steps"] = float(guard.total)
+        m["faults/nonfinite_in_row"] = float(guard.in_row)
+        if adv is not None:
+          m.update({f"rl/{k}": v for k, v in adv.stats.items()})
         m.update({f"learner/{k}": v for k, v in lmetrics.items()})
-        m.update(metrics_lib.tree_stats(trees))
+        if trees:
+          m.update(metrics_lib.tree_stats(trees))
         self.metrics.write(step, m, prefix="train/")
+        if guard.diverged:
+          raise TrainingDivergedError(
+              f"{guard.in_row} non-finite updates in a row (steps {step - guard.in_row} to "
+              f"{step - 1}, config.rl.max_nonfinite_steps={c.rl.max_nonfinite_steps}); each was "
+              "refused, so the parameters are those of the last finite update "
+              f"({self.learner.step_count} applied), saved in {self.learner.cfg.ckpt_dir} at "
+              f"step {step}. Lower --config.optim.lr, check the rollout log-probs and rewards "
+              "of the trees in " + self.trees_dir + ", or raise config.rl.max_nonfinite_steps.")
 
-        every = int(c.eval.every)   # <= 0: no evaluation inside the loop
-        if every > 0 and (step % every == 0 or step == total):
+        every_n = int(c.eval.every)   # <= 0: no evaluation inside the loop
+        if every_n > 0 and (step % every_n == 0 or step == total):
           t_eval = time.perf_counter()
           last_eval = await stopper.guard(self.evaluate(repls, step))
           last_eval["time/eval_s"] = time.perf_counter() - t_eval
@@ -285,6 +435,55 @@ class Trainer:
     plot = metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
     return {"step": step, "stopped": stopped, "eval": last_eval, "plot": plot,
             "workdir": self.workdir}
+
+
+class NonFiniteGuard:
+  """Runs learner steps; a refused (non-finite) update is logged, counted and skipped.
+
+  The learner refuses such an update on device (parameters, optimizer state and its step
+  counter unchanged), so the learning-rate schedule, which reads that counter, counts applied
+  updates only. `diverged` turns True after `max_in_row` refusals in a row.
+  """
+
+  def __init__(self, max_in_row: int):
+    self.max_in_row = max_in_row
+    self.total = 0
+    self.in_row = 0
+
+  @property
+  def diverged(self) -> bool:
+    return self.in_row >= self.max_in_row
+
+  def step(self, learner, batch, step: int) -> dict[str, float]:
+    from rao_jax.learner import NonFiniteUpdateError  # pylint: disable=g-import-not-at-top
+    try:
+      out = learner.step(batch)
+    except NonFiniteUpdateError as e:
+      self.total += 1
+      self.in_row += 1
+      log.warning("Step %d: update skipped (%d in a row, %d in all): %s", step, self.in_row,
+                  self.total, e)
+      return {"update_applied": 0.0, "nonfinite": 1.0}
+    self.in_row = 0
+    return out
+
+
+def record_staleness(trees, step: int) -> dict[str, float]:
+  """Writes each node's staleness (`step` minus the oldest weight version it was sampled with)
+  into `extras["staleness"]`; returns its mean and max over the nodes."""
+  vals = []
+  for t in trees:
+    for n in t.nodes:
+      versions = [n.weight_version] + list(n.extras.get("weight_versions", []))
+      versions = [int(v) for v in versions if isinstance(v, (int, np.integer))
+                  or (isinstance(v, str) and v.isdigit())]
+      if versions:
+        n.extras["staleness"] = step - min(versions)
+        vals.append(n.extras["staleness"])
+  if not vals:
+    return {}
+  return {"rollout/staleness_mean": float(np.mean(vals)),
+          "rollout/staleness_max": float(np.max(vals))}
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -9,7 +9,8 @@ gathered, and returns the child's final message to the parent's REPL.
 Host-enforced limits (`RunnerConfig`):
   * depth: a node at `max_depth` gets an error string from `launch_subagent`, not a child;
   * turns per agent: `max_steps_per_agent` own turns, then the node ends with "max_steps";
-  * step budget: a tree has `task.max_steps` steps (turns, all nodes together). A node's budget
+  * step budget: a tree has `task.max_steps` steps (turns, all nodes together), capped by
+    `tree_step_budget` when set. A node's budget
     covers its own turns and its descendants'; launching a child moves the child's
     `num_steps` (capped to leave the parent one turn) from the parent's budget to the child's,
     and what the child did not use flows back when it ends. A node whose budget is spent ends
@@ -18,6 +19,11 @@ Host-enforced limits (`RunnerConfig`):
   * context window: a node whose tokens reach `context_window` ends with "context".
 Failures are data: unparsable code, raising tools, timeouts and crashes become observations;
 an aborted or failed generation ends the node with "error"; the tree always ends with a record.
+A failure of the infrastructure rather than the agent (the engine failed or aborted, the sandbox
+crashed or could not be set up) is also named in `extras["infra_error"]`, so the trainer can keep
+it out of the baseline. With a `deadline` (`run_tree` / `run_tasks`), every node of a tree past
+it ends with "timeout" at its next turn boundary, a generation in flight is cut, and the node's
+`extras["deadline"]` says so.
 
 Trees of many tasks run concurrently on one event loop (`run_tasks`) and share the engine,
 whose batching is what makes that fast. With `recursive=False` (single-agent mode) the tool is
@@ -57,6 +63,8 @@ class RunnerConfig:
     observation_max_chars: longer observations are cut in the middle.
     node_timeout_s: wall-clock seconds per node (None: no limit); past it the node ends with
       "timeout" at its next turn boundary.
+    tree_step_budget: most steps (turns, all nodes together) of one tree; a task's own
+      `max_steps` is capped to it (None: the task's budget alone).
   """
   recursive: bool = True
   max_depth: int = 3
@@ -71,6 +79,7 @@ class RunnerConfig:
   seed: int | None = None
   observation_max_chars: int = 4000
   node_timeout_s: float | None = None
+  tree_step_budget: int | None = None
 
   def __post_init__(self):
     for name in ("max_steps_per_agent", "max_live_agents", "context_window", "max_new_tokens",
@@ -86,6 +95,11 @@ class RunnerConfig:
                        f"context_window={self.context_window}.")
     if self.node_timeout_s is not None and self.node_timeout_s <= 0:
       raise ValueError(f"RunnerConfig.node_timeout_s={self.node_timeout_s!r}: must be > 0 or None.")
+    if self.tree_step_budget is not None and (
+        isinstance(self.tree_step_budget, bool) or not isinstance(self.tree_step_budget, int)
+        or self.tree_step_budget < 1):
+      raise ValueError(f"RunnerConfig.tree_step_budget={self.tree_step_budget!r}: must be an int "
+                       ">= 1 or None (the task's own max_steps).")
     rollout.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
@@ -110,8 +124,10 @@ class _NodeState:
 
 
 class _Tree:
-  def __init__(self, task: base.Task, episode: base.Episode, tree_id: str, group_id: str):
+  def __init__(self, task: base.Task, episode: base.Episode, tree_id: str, group_id: str,
+               deadline: float | None = None):
     self.task, self.episode = task, episode
+    self.deadline = deadline   # time.perf_counter() past which every node is cut
     self.tree_id, self.group_id = tree_id, group_id
     self.records: list[R.NodeRecord] = []
     self.outcomes: dict[str, base.NodeOutcome] = {}
@@ -144,14 +160,19 @@ class TreeRunner:
 
   # -- public ------------------------------------------------------------------------------
 
-  async def run_tasks(self, tasks: Sequence[base.Task], group_size: int = 1) -> list[R.TreeRecord]:
-    """`group_size` trees of every task, all concurrently; results grouped by task in order."""
+  async def run_tasks(self, tasks: Sequence[base.Task], group_size: int = 1,
+                      deadline: float | None = None) -> list[R.TreeRecord]:
+    """`group_size` trees of every task, all concurrently; results grouped by task in order.
+
+    deadline: a `time.perf_counter()` time past which trees are cut (see `run_tree`).
+    """
     if group_size < 1:
       raise ValueError(f"group_size={group_size}: must be >= 1.")
     coros = []
     for task in tasks:
       gid = f"{task.task_id}/{uuid.uuid4().hex[:8]}"
-      coros += [self.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid) for k in range(group_size)]
+      coros += [self.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
+                for k in range(group_size)]
     return list(await asyncio.gather(*coros))
 
   async def run_group(self, task: base.Task, group_size: int) -> list[R.TreeRecord]:
@@ -159,13 +180,21 @@ class TreeRunner:
     return await self.run_tasks([task], group_size)
 
   async def run_tree(self, task: base.Task, tree_id: str | None = None,
-                     group_id: str | None = None) -> R.TreeRecord:
-    """Grows one tree from `task` and scores every node (verifier -> judge -> proxy)."""
+                     group_id: str | None = None, deadline: float | None = None) -> R.TreeRecord:
+    """Grows one tree from `task` and scores every node (verifier -> judge -> proxy).
+
+    deadline: a `time.perf_counter()` time; past it every node ends with "timeout" at its next
+      turn boundary and a generation in flight is cut (`meta["deadline_cut"]` is then True).
+      The tree is scored as it stands.
+    """
     tree_id = tree_id or f"{task.task_id}/{uuid.uuid4().hex[:8]}"
-    tree = _Tree(task, self.env.new_episode(task), tree_id, group_id or tree_id)
+    tree = _Tree(task, self.env.new_episode(task), tree_id, group_id or tree_id, deadline)
+    steps = task.max_steps
+    if self.cfg.tree_step_budget is not None:
+      steps = min(steps, self.cfg.tree_step_budget)
     info = base.NodeInfo(node_id="0", parent_id=None, depth=0, goal=task.goal,
-                         fields=dict(task.fields), max_steps=task.max_steps)
-    await self._run_node(tree, info, _Budget(task.max_steps), variables={})
+                         fields=dict(task.fields), max_steps=steps)
+    await self._run_node(tree, info, _Budget(steps), variables={})
     # A root that ended while children it never awaited still run: stop them.
     pending = [t for t in tree.children if not t.done()]
     for t in pending:
@@ -179,7 +208,9 @@ class TreeRunner:
         nodes=tree.records,
         meta={"mode": "recursive" if self.cfg.recursive else "single", "wall_s": wall,
               "difficulty": task.difficulty, "goal": task.goal,
-              "config": dataclasses.asdict(self.cfg), "episode": tree.episode.summary()})
+              "config": dataclasses.asdict(self.cfg), "episode": tree.episode.summary(),
+              "step_budget": steps,
+              "deadline_cut": any("deadline" in r.extras for r in tree.records)})
     return rec
 
   # -- one node ----------------------------------------------------------------------------
@@ -222,6 +253,8 @@ class TreeRunner:
     except Exception as e:  # the tree always ends with a record
       reason = R.END_ERROR
       rec.extras["error"] = f"{type(e).__name__}: {e}"
+      # Setting up the node (sandbox, tools, prompt) or the engine failed, not the agent.
+      rec.extras["infra_error"] = rec.extras["error"]
     finally:
       tree.live -= 1
       if repl is not None:
@@ -259,6 +292,9 @@ class TreeRunner:
         return R.END_CONTEXT
       if cfg.node_timeout_s is not None and time.perf_counter() - t_start > cfg.node_timeout_s:
         return R.END_TIMEOUT
+      if tree.deadline is not None and time.perf_counter() >= tree.deadline:
+        rec.extras["deadline"] = "cut at a turn boundary"
+        return R.END_TIMEOUT
       params = rollout.SamplingParams(
           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
           max_new_tokens=min(cfg.max_new_tokens, room), seed=cfg.seed,
@@ -269,13 +305,23 @@ class TreeRunner:
                                     rid=f"{_session_id(tree, st.info)}/{rec.num_steps}")
       t0 = time.perf_counter()
       try:
-        res = await self.engine.generate(req)
+        if tree.deadline is None:
+          res = await self.engine.generate(req)
+        else:
+          res = await asyncio.wait_for(self.engine.generate(req),
+                                       max(tree.deadline - time.perf_counter(), 0.0))
       except Exception as e:
-        rec.extras["error"] = f"generate failed: {type(e).__name__}: {e}"
+        if (isinstance(e, asyncio.TimeoutError) and tree.deadline is not None
+            and time.perf_counter() >= tree.deadline):
+          rec.extras["deadline"] = "cut during a generation"
+          return R.END_TIMEOUT
+        rec.extras["error"] = rec.extras["infra_error"] = (
+            f"generate failed: {type(e).__name__}: {e}")
         return R.END_ERROR
       rec.timings["generate"] += time.perf_counter() - t0
       if len(res.logprobs) != len(res.token_ids):
-        rec.extras["error"] = "engine returned logprobs and token_ids of different lengths"
+        rec.extras["error"] = rec.extras["infra_error"] = (
+            "engine returned logprobs and token_ids of different lengths")
         return R.END_ERROR
       if res.token_ids:
         rec.turn_starts.append(len(rec.token_ids))
@@ -287,14 +333,14 @@ class TreeRunner:
       elif res.weight_version != rec.weight_version:
         rec.extras.setdefault("weight_versions", []).append(res.weight_version)
       if res.finish_reason == rollout.FinishReason.ABORT:
-        rec.extras["error"] = f"generation aborted: {res.message}"
+        rec.extras["error"] = rec.extras["infra_error"] = f"generation aborted: {res.message}"
         return R.END_ERROR
       if not res.token_ids and res.finish_reason == rollout.FinishReason.CONTEXT:
         # The engine's own window (e.g. its cache length) is full before ours.
         rec.extras["context_note"] = res.message or "the engine's context limit was reached"
         return R.END_CONTEXT
       if not res.token_ids:
-        rec.extras["error"] = "engine generated no tokens"
+        rec.extras["error"] = rec.extras["infra_error"] = "engine generated no tokens"
         return R.END_ERROR
       rec.num_steps += 1
       st.budget.left -= 1
@@ -313,7 +359,7 @@ class TreeRunner:
           r = await repl.run_cell(code, tools=tools)
           output, error = r.output, r.error
           if getattr(r, "crashed", False):
-            rec.extras["error"] = f"sandbox crashed: {error}"
+            rec.extras["error"] = rec.extras["infra_error"] = f"sandbox crashed: {error}"
             rec.extras["turns"].append({"text": text, "code": code, "observation": error})
             rec.timings["execute"] += time.perf_counter() - t1
             return R.END_ERROR

@@ -258,6 +258,20 @@ async def _json_or_raise(r) -> Any:
   return await r.json(content_type=None)
 
 
+class RuleJudge(base.Judge):
+  """A judge without a model: a node that called finish(...) with a non-empty answer scores 1,
+  any other ending 0. Cheap and deterministic; it rewards closing subtasks with a report, not
+  their correctness, so it suits environments whose subtasks no verifier can check and where a
+  model judge is too slow."""
+
+  RULE = "finished with a non-empty answer"
+
+  async def __call__(self, request: base.JudgeRequest) -> base.JudgeVerdict:
+    ok = bool(request.answer.strip()) and request.end_reason == "finish"
+    return base.JudgeVerdict(1.0 if ok else 0.0,
+                             {"rule": self.RULE, "end_reason": request.end_reason})
+
+
 def judge_log_rows(judge: LLMJudge) -> list[Mapping[str, Any]]:
   """All calls a judge made (goal, answer, raw reply, parsed score, latency), for a JSONL log."""
   return list(judge.calls)
