@@ -28,7 +28,7 @@ class LearnerConfig:
       0 turns it off and keeps no reference copy.
     token_sum_normalizer: the constant C of the "token_sum" loss, in tokens.
     temperature: the rollout sampling temperature; logprobs are taken under softmax(logits / T).
-    lr: peak learning rate of AdamW.
+    lr: peak learning rate of AdamW (0: the weights never change; a control run).
     warmup_steps: linear warm-up steps from 0 to `lr`.
     schedule: after warm-up: "constant", "cosine" (to `lr * final_lr_frac` at `total_steps`)
       or "linear" (likewise).
@@ -102,8 +102,9 @@ class LearnerConfig:
     if not self.temperature > 0:
       raise _bad("temperature", self.temperature,
                  "must be > 0 and equal the rollout sampling temperature.")
-    if not (self.lr > 0 and math.isfinite(self.lr)):
-      raise _bad("lr", self.lr, "must be a finite number > 0.")
+    if not (self.lr >= 0 and math.isfinite(self.lr)):
+      # 0 is allowed: a control run with frozen weights (tests/test_learns.py).
+      raise _bad("lr", self.lr, "must be a finite number >= 0.")
     if self.schedule not in _SCHEDULES:
       raise _bad("schedule", self.schedule, f"choose one of {_SCHEDULES}.")
     if self.warmup_steps < 0:
