@@ -5,6 +5,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 
 import numpy as np
 import openai
@@ -175,6 +176,20 @@ def test_sglang_logprobs_scoring_n_and_rids(srv):
     chunks = sse(r)
   finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
   assert sorted(finals) == [0, 1] and finals[0]["output_ids"] == out["output_ids"]
+
+  # A client that leaves a stream early: its request is aborted, not left running.
+  with requests.post(srv.url + "/generate", stream=True, timeout=120, json={
+      "input_ids": prompt, "stream": True, "rid": "gone",
+      "sampling_params": {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}}) as r:
+    next(r.iter_lines())
+    srv.engine.pause()         # so the request cannot finish before the server notices
+  time.sleep(0.5)
+  srv.engine.resume()
+  for _ in range(100):
+    if not srv.engine.num_running:
+      break
+    time.sleep(0.1)
+  assert srv.engine.num_running == 0 and srv.engine.stats["finish_abort"] >= 1
 
 
 @pytest.mark.slow
