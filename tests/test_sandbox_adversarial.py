@@ -825,3 +825,21 @@ def test_a_huge_error_message_is_shortened_not_a_protocol_violation():
   res, _ = attack("raise SystemExit('x' * 1_000_000)")
   assert not res.crashed and res.error.startswith("SystemExit('xxx"), res.observation
   assert "[... shortened ...]" in res.error and len(res.error) < 8200
+
+
+@pytest.mark.slow
+def test_cpu_burnt_while_a_cell_waits_for_a_tool_ends_the_sandbox():
+  """Class 3: the cell clock pauses while a host tool runs (a subagent may take minutes); a
+  thread burning CPU meanwhile is stopped by the sandbox's CPU budget, with a clear note.
+  (19 s of wall time on the loaded 2-core VM for 1 s of CPU at nice 19.)"""
+  cfg = SandboxConfig(isolation="bwrap", cpu_time_s=1, cell_timeout_s=150.0)
+
+  async def wait_long():
+    await asyncio.sleep(120)
+
+  res, _ = attack(
+      "import threading\ndef spin():\n  while True:\n    pass\n"
+      "threading.Thread(target=spin, daemon=True).start()\nawait wait_long()",
+      cfg=cfg, tools={"wait_long": wait_long})
+  assert res.crashed and res.sandbox_restarted, res.observation
+  assert "SIGXCPU (it used up its CPU budget of 1 s)" in res.error, res.observation

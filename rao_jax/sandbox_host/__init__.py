@@ -22,9 +22,13 @@ launch_subagent(b))` run concurrently while `x = craft(...)` still just returns 
 Calls still pending when a cell ends are cancelled, on both sides, with a note in the output.
 
 Isolation (bwrap mode): namespaces (user, pid, net, ipc, uts, cgroup), read-only binds of the
-interpreter and its stdlib only, private /tmp, no capabilities, rlimits and a seccomp filter
-set by the REPL on itself, a host-enforced per-cell timeout that kills the whole sandbox. The
-weaker isolation="process" mode keeps the rlimits and the seccomp filter only.
+interpreter and its stdlib only, a private sized /tmp as the one writable filesystem, an
+unprivileged uid and no capabilities (also on a root host), rlimits (memory, threads, files,
+CPU over the sandbox's life) and a seccomp filter, a host-enforced per-cell timeout that kills
+the whole sandbox, the REPL stopped between requests, and a protocol whose every breach ends
+the sandbox. BUILD.md ("Sandbox threat model") lists what is bounded and how. The weaker
+isolation="process" mode keeps the rlimits, the seccomp filter, the stop between requests and
+the protocol checks only.
 """
 from rao_jax.sandbox_host.config import SandboxConfig
 from rao_jax.sandbox_host.jail import SandboxUnavailableError
