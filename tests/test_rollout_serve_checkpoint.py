@@ -1,24 +1,19 @@
 """`python -m rao_jax.rollout.serve --checkpoint RUN` serves a training run's checkpoint (not
-the base weights it started from), SGLang- and OpenAI-shaped, as a separate process."""
+the base weights it started from), SGLang- and OpenAI-shaped."""
 import asyncio
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import threading
 
 import jax
 import pytest
 import requests
+from aiohttp import web
 from flax import nnx
 
 from rao_jax import experiment as X
-from rao_jax.rollout import GenerateRequest, SamplingParams
+from rao_jax.rollout import GenerateRequest, SamplingParams, serve
 from rao_jax.rollout.embedded import EmbeddedEngine
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_dir(tmp):
@@ -52,28 +47,30 @@ def _run_dir(tmp):
 @pytest.mark.slow
 def test_serve_checkpoint_serves_the_trained_weights(tmp_path):
   wd, trained, base = _run_dir(str(tmp_path))
+  # The command line's own path (argument parsing, checkpoint restore, engine, server), served
+  # from a background event loop in this process.
+  server, _ = serve.build_server(["--checkpoint", wd, "--num-slots", "2", "--max-len", "64",
+                                  "--min-cache-len", "64", "--chunk-sizes", "16",
+                                  "--prefill-rows", "1"])
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "rao_jax.rollout.serve", "--checkpoint", wd, "--port", str(port),
-       "--num-slots", "2", "--max-len", "64", "--min-cache-len", "64", "--chunk-sizes", "16",
-       "--prefill-rows", "1"],
-      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  loop = asyncio.new_event_loop()
+  started = threading.Event()
+  holder = {}
+
+  def run():
+    asyncio.set_event_loop(loop)
+    holder["runner"] = web.AppRunner(server.app())
+    loop.run_until_complete(holder["runner"].setup())
+    loop.run_until_complete(web.TCPSite(holder["runner"], "127.0.0.1", port).start())
+    started.set()
+    loop.run_forever()
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  started.wait(60)
   url = f"http://127.0.0.1:{port}"
   try:
-    t0 = time.time()
-    while True:
-      if proc.poll() is not None:
-        raise RuntimeError("server died: " + proc.stderr.read().decode()[-3000:])
-      try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as r:
-          if r.status == 200:
-            break
-      except OSError:
-        assert time.time() - t0 < 300, "server did not start"
-        time.sleep(0.5)
     prompt = [5, 17, 300, 4000, 12, 9]
     out = requests.post(url + "/generate", json={
         "input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6,
@@ -93,6 +90,7 @@ def test_serve_checkpoint_serves_the_trained_weights(tmp_path):
     assert info["model_path"].endswith("@step4")
     assert requests.get(url + "/v1/models").json()["data"][0]["id"] == wd
   finally:
-    if proc.poll() is None:
-      proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(30)
+    asyncio.run_coroutine_threadsafe(server.engine.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)

@@ -1085,7 +1085,8 @@ class Server:
     return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
 
-def main(argv=None):
+def build_server(argv=None) -> tuple[Server, argparse.Namespace]:
+  """Parses serve's command line and loads the model: (Server, args), not yet listening."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   src = ap.add_mutually_exclusive_group()
   src.add_argument("--model", default=None,
@@ -1113,7 +1114,6 @@ def main(argv=None):
   ap.add_argument("--preferred-sampling-params", default=None,
                   help="JSON object of sampling_params defaults (SGLang's flag)")
   args = ap.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
   preferred = None
   if args.preferred_sampling_params:
     try:
@@ -1165,6 +1165,12 @@ def main(argv=None):
   server = Server(engine, tokenizer, model_path=model_path, loader=loader, server_args=info,
                   served_model_name=args.served_model_name or args.checkpoint or model_name,
                   preferred_sampling_params=preferred)
+  return server, args
+
+
+def main(argv=None):
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  server, args = build_server(argv)
   print(f"rao_jax rollout server on http://{args.host}:{args.port}", file=sys.stderr,
         flush=True)
   web.run_app(server.app(), host=args.host, port=args.port, print=None)
