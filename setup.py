@@ -40,6 +40,8 @@ setup(
             "accelerate>=1.0",
             # The OpenAI client: tests drive serve's /v1 endpoints the way users' tools do.
             "openai>=1.40",
+            # Raw HTTP in serve's tests (SSE streams line by line); only gguf pulls it in otherwise.
+            "requests>=2.28",
         ],
         # The SGLang rollout server for GPU nodes; a CPU machine never needs it.
         # 0.5.6: the first release with everything SGLANG_API.md uses: pause_generation modes
