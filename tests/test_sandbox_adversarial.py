@@ -561,6 +561,11 @@ def test_shared_memory_outside_the_limits_is_bounded():
       "    report[f'sysv{k}'] = 'shmat: ' + os.strerror(ctypes.get_errno())\n    continue\n"
       "  ctypes.memset(addr, 1, 32 << 20)\n  libc.shmdt(ctypes.c_void_p(addr))\n"
       "  report[f'sysv{k}'] = '32 MiB'\n"
+      "import fcntl\nr, w = os.pipe()\n"
+      "try:\n  fcntl.fcntl(w, 1031, 1 << 20)\n  report['pipe_1mib'] = 'grown'\n"
+      "except OSError as e:\n  report['pipe_1mib'] = type(e).__name__\n"
+      "try:\n  os.openpty()\n  report['pty'] = 'opened'\n"
+      "except OSError as e:\n  report['pty'] = type(e).__name__\n"
       "print(report)\nprint('growth', round(measure()))\n")
 
   async def main():
@@ -585,6 +590,8 @@ def test_shared_memory_outside_the_limits_is_bounded():
   for name in ("dev_shm", "dev", "site_packages", "memfd0", "sysv0"):
     assert not report[name].startswith("32 MiB") and not report[name].startswith("96 MiB"), \
         (name, report)
+  # Kernel buffers outside RLIMIT_AS: pipes keep their default size, and there are no ptys.
+  assert report["pipe_1mib"] == "PermissionError" and report["pty"] != "opened", report
 
 
 def test_thread_limit_holds_as_root():

@@ -6,7 +6,7 @@ Inside the jail the filesystem is a read-only tmpfs root holding only:
   /python/bin/python3, /python/lib/python3.X[, libpython]  the interpreter and its stdlib
                                                          (its own site-packages masked)
   /sandbox/repl.py                                       the REPL program (stdlib only)
-  /dev (minimal, read-only: no /dev/shm), /tmp (private tmpfs of tmp_size_mb)
+  /dev (minimal, read-only: no /dev/shm, no ptys), /tmp (private tmpfs of tmp_size_mb)
 /tmp is the only writable filesystem, so it bounds every file the jail can create (tmpfs
 memory is the host's); the other ways to shared memory (memfd, SysV/POSIX IPC) are refused by
 the seccomp filter. The interpreter is bound under /python rather than at its host path so
@@ -332,6 +332,9 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None,
   # /dev is a tmpfs of its own with a world-writable /dev/shm in it, bounded by nothing: it is
   # made read-only (the device nodes are separate mounts and keep working).
   argv += ["--dev", "/dev", "--remount-ro", "/dev"]
+  # Its devpts instance would let the jail allocate pseudo-terminals (kernel buffers, a
+  # host-wide count); an empty read-only tmpfs hides it (/dev/ptmx then leads nowhere).
+  argv += ["--size", "4096", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
   if "--size" in opts:
     argv += ["--size", str(cfg.tmp_size_mb * 1024 * 1024)]
   argv += ["--perms", "1777", "--tmpfs", "/tmp",

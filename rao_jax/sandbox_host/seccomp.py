@@ -54,6 +54,9 @@ DENIED_SYSCALLS = (
 F_GETLK, F_SETLK, F_SETLKW = 5, 6, 7
 F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW = 36, 37, 38
 LOCK_FCNTL_CMDS = (F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW)
+# Growing a pipe's buffer (to 1 MiB each, kernel memory outside RLIMIT_AS): pipes keep their
+# 64 KiB default, so open_files bounds what they can hold.
+F_SETPIPE_SZ = 1031
 
 
 EXEC_SYSCALLS = ("execve", "execveat")
@@ -80,7 +83,7 @@ def _compile(main: bool, exec_: bool) -> bytes:
     # clone3 passes its flags in memory, which seccomp cannot read; ENOSYS makes glibc fall
     # back to clone for new threads, where the rule above applies.
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    for cmd in LOCK_FCNTL_CMDS:
+    for cmd in LOCK_FCNTL_CMDS + (F_SETPIPE_SZ,):
       filt.add_rule(eperm, "fcntl", sc.Arg(1, sc.EQ, cmd))
   with tempfile.TemporaryFile() as f:
     filt.export_bpf(f)
@@ -96,7 +99,8 @@ def _compile(main: bool, exec_: bool) -> bytes:
 def main_program() -> bytes:
   """The BPF program (struct sock_filter[]) of the main filter.
 
-  Default allow; EPERM for DENIED_SYSCALLS, for fcntl's record-lock commands and for clone
+  Default allow; EPERM for DENIED_SYSCALLS, for fcntl's record-lock commands and
+  F_SETPIPE_SZ, and for clone
   without CLONE_THREAD (threads yes,
   processes no: this is what stops a fork bomb, also for root where RLIMIT_NPROC does not
   apply); EACCES for socket/socketpair of any family but AF_UNIX; ENOSYS for clone3.
