@@ -314,12 +314,13 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None,
   argv += _mirror_system_libs()
   argv += ["--ro-bind", interp.exe, f"{JAIL_PY}/bin/python3",
            "--ro-bind", interp.stdlib, jail_stdlib]
+  # Empty masks: the smallest tmpfs bwrap can make (its --size arrived in 0.7), read-only.
+  small = ["--size", "4096"] if "--size" in opts else []
   # The interpreter's own installed packages are not part of what the REPL needs. The mask
   # is read-only: a writable tmpfs there would be memory outside every limit.
   for sub in ("site-packages", "dist-packages"):
     if os.path.isdir(os.path.join(interp.stdlib, sub)):
-      argv += ["--size", "4096", "--tmpfs", f"{jail_stdlib}/{sub}",
-               "--remount-ro", f"{jail_stdlib}/{sub}"]
+      argv += small + ["--tmpfs", f"{jail_stdlib}/{sub}", "--remount-ro", f"{jail_stdlib}/{sub}"]
   if interp.libpython:
     argv += ["--ro-bind", interp.libpython,
              f"{py_lib}/{os.path.basename(interp.libpython)}"]
@@ -334,7 +335,7 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None,
   argv += ["--dev", "/dev", "--remount-ro", "/dev"]
   # Its devpts instance would let the jail allocate pseudo-terminals (kernel buffers, a
   # host-wide count); an empty read-only tmpfs hides it (/dev/ptmx then leads nowhere).
-  argv += ["--size", "4096", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
+  argv += small + ["--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
   if "--size" in opts:
     argv += ["--size", str(cfg.tmp_size_mb * 1024 * 1024)]
   argv += ["--perms", "1777", "--tmpfs", "/tmp",
