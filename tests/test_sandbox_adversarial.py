@@ -850,3 +850,42 @@ def test_cpu_burnt_while_a_cell_waits_for_a_tool_ends_the_sandbox():
       cfg=cfg, tools={"wait_long": wait_long})
   assert res.crashed and res.sandbox_restarted, res.observation
   assert "SIGXCPU (it used up its CPU budget of 1 s)" in res.error, res.observation
+
+
+def test_a_tool_frame_costs_the_host_loop_one_bounded_parse():
+  """Class 4: a known op is parsed, within its size limit: a maximal tool frame of the
+  costliest JSON per byte (4 MiB of `0,` items) costs the loop one short parse; one byte over
+  the limit ends the sandbox unread."""
+  gaps = []
+  limit = CFG.tool_arg_max_bytes
+  code = FRAME_WRITER + (
+      "import gc\n"
+      "repl = next(o for o in gc.get_objects() if type(o).__name__ == '_Repl')\n"
+      "def tool_frame(size):\n"
+      "  head = b'{\"op\": \"tool\", \"cell\": \"' + b'f' * 32 + b'\", \"rid\": \"r1\", '\n"
+      "  head += b'\"name\": \"x\", \"args\": ['\n"
+      "  n = (size - len(head) - 18) // 2\n"
+      "  body = head + b'0,' * n + b'0], \"kwargs\": {}}'\n"
+      "  return body + b' ' * (size - len(body))\n"
+      f"os.write(repl.fd, frame(tool_frame({limit})))\n"
+      "import time\ntime.sleep(1)\nprint('first frame refused, sandbox alive')\n"
+      f"os.write(repl.fd, frame(tool_frame({limit + 1})))\ntime.sleep(5)")
+
+  async def main():
+    pool = SandboxPool(CFG, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      await sb.run_cell("pass")
+      beat = asyncio.create_task(_loop_cpu_probe(gaps)())
+      res = await sb.run_cell(code)
+      beat.cancel()
+      return res
+    finally:
+      await pool.close()
+
+  res = asyncio.run(main())
+  print(f"most loop-thread CPU between two heartbeats: {max(gaps):.3f} s")
+  assert res.crashed and f"a 'tool' message of {limit + 1} bytes" in res.output, \
+      res.observation
+  assert max(gaps) < 0.5, max(gaps)
