@@ -3,9 +3,11 @@
 ``dense(a, b, trans_a, trans_b)`` is ``op(a) @ op(b)``. On CPU in float32 with both sides of
 the result at least ``MIN_ROWS`` long it calls MKL's ``cblas_sgemm`` through an XLA FFI handler
 (``csrc/mkl_gemm.cc``; built and chosen by ``cpu_kernels``, ``RAO_JAX_CPU_KERNELS``: Intel CPUs
-by default). On an Intel Xeon, XLA:CPU's own kernels ran the SmolLM2 training step's product
-shapes up to 30% below MKL (benchmarks/bench_cpu_kernels.py). Anywhere else (GPU, TPU, bfloat16, decode-sized products) it is
-``jax.lax.dot_general``; results agree to float32 rounding. Under a CPU device mesh (tests) XLA
+by default), in the program's CPU lowering only (``jax.lax.platform_dependent``: lowered for a
+GPU or TPU, the same trace is XLA's dot). On an Intel Xeon, XLA:CPU's own kernels ran the
+SmolLM2 training step's product shapes up to 30% below MKL (benchmarks/bench_cpu_kernels.py).
+Anywhere else (GPU, TPU, bfloat16, decode-sized products) it is ``jax.lax.dot_general``;
+results agree to float32 rounding. Under a CPU device mesh (tests) XLA
 gathers the call's sharded operands first: correct, not fast.
 """
 from __future__ import annotations
@@ -68,7 +70,12 @@ def dense(a, b, trans_a: bool = False, trans_b: bool = False, preferred_element_
   kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
   if k != kb:
     raise ValueError(f"dense: op(a) is [{m}, {k}] but op(b) is [{kb}, {n}]")
-  if _uses_mkl(a, b, m, n, preferred_element_type):
-    return _mkl_dense(a, b, trans_a, trans_b)
   dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=preferred_element_type)
+  xla = lambda a, b: jax.lax.dot_general(a, b, dims,
+                                         preferred_element_type=preferred_element_type)
+  if _uses_mkl(a, b, m, n, preferred_element_type):
+    # MKL only in the program's CPU lowering: lowered (or exported) for a GPU or TPU, the same
+    # trace carries XLA's dot and no CPU-only custom call.
+    return jax.lax.platform_dependent(
+        a, b, cpu=lambda a, b: _mkl_dense(a, b, trans_a, trans_b), default=xla)
+  return xla(a, b)

@@ -24,15 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rao_jax.model import cpu_attention
+from rao_jax.model import kernels
 from rao_jax.model.config import ModelConfig, rope_inv_freq
 from rao_jax.model.matmul import dense
 
 Cache = dict[str, list]   # {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}
 
-# Large negative instead of -inf: a fully masked row then gives a finite (uniform) softmax, so
-# padding never produces NaNs that could leak into gradients through a 0 * NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MASK_VALUE = kernels.MASK_VALUE
 
 # Names (and logical sharding axes) of the per-layer parameters, stacked over "layers".
 LAYER_PARAM_AXES: dict[str, tuple[str, ...]] = {
@@ -226,20 +224,9 @@ def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, attend):
 
 
 def _self_attention(cfg: ModelConfig, segment_ids_BxT):
-  """``attend(q, k, v)`` for the full forward: MKL's kernel on CPU in float32, else XLA's."""
-  if cpu_attention.usable(cfg.jnp_dtype):
-    return lambda q, k, v: cpu_attention.causal_attention(q, k, v, segment_ids_BxT)
-  T = segment_ids_BxT.shape[1]
-  idx = jnp.arange(T)
-  mask_BxTxT = ((segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
-                & (idx[:, None] >= idx[None, :])[None])
-
-  def attend(q, k, v):
-    # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
-    # probabilities then never need a transpose, forward or backward.
-    return _causal_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
-                             mask_BxTxT, cfg.jnp_dtype, cfg.attention_block)
-  return attend
+  """``attend(q, k, v)`` for the full forward: the platform's kernel (``kernels``)."""
+  return lambda q, k, v: kernels.causal_attention(q, k, v, segment_ids_BxT,
+                                                  block=cfg.attention_block)
 
 
 def _remat(cfg: ModelConfig, fn):
@@ -441,49 +428,9 @@ def _logits(w_VxD, hidden_BxTxD, dtype):
                     preferred_element_type=jnp.float32)
 
 
-def _attention(q_BxTxHxh, k_BxKxhxS, v_BxKxSxh, visible_BxTxS, dtype):
-  """Grouped-query attention of T queries over S keys (a cache, or the row itself); softmax
-  in float32.
-
-  The g query heads of a key/value head and the T queries form the rows of one matrix per
-  (row, kv head), so each product is a plain [T*g, h] x [h, S] (and [T*g, S] x [S, h]) matmul.
-  """
-  B, T, H, h = q_BxTxHxh.shape
-  K = k_BxKxhxS.shape[1]
-  S = k_BxKxhxS.shape[-1]
-  g = H // K
-  q = (q_BxTxHxh.reshape(B, T, K, g, h).transpose(0, 2, 1, 3, 4).reshape(B, K, T * g, h)
-       * jnp.asarray(h ** -0.5, dtype))
-  batch = ((0, 1), (0, 1))
-  scores = jax.lax.dot_general(q, k_BxKxhxS, (((3,), (2,)), batch),
-                               preferred_element_type=jnp.float32)            # [B, K, Tg, S]
-  mask = jnp.broadcast_to(visible_BxTxS[:, None, :, None, :], (B, 1, T, g, S))
-  scores = jnp.where(mask.reshape(B, 1, T * g, S), scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jax.lax.dot_general(probs, v_BxKxSxh, (((3,), (2,)), batch))         # [B, K, Tg, h]
-  return out.reshape(B, K, T, g, h).transpose(0, 2, 1, 3, 4).reshape(B, T, H, h)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(4, 5))
-def _causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype, block: int):
-  """Attention of a row over itself under a causal mask, by blocks of ``block`` queries.
-
-  The queries of block [a, b) can only see keys [0, b), so each block attends over that prefix
-  alone: the fully masked upper triangle is skipped but for the diagonal blocks (5/8 of the
-  full work at 4 blocks). Exact: a skipped key has probability 0 either way. Within the prefix,
-  ``mask_BxTxT`` still applies (segments of packed rows, causality in the diagonal block).
-
-  Rematerialised: the backward pass recomputes the [B, K, g*T, T] scores and probabilities from
-  q, k, v instead of storing them. Stored, they filled a zeroed [L, B, K, g*T, T] buffer (1.1 GB
-  at 4 x 512 on SmolLM2) written and read back once per layer, which cost more than the
-  recompute (4 x 512 step on CPU: 27.7 s -> 23.2 s). (On CPU in float32, cpu_attention runs
-  instead.)
-  """
-  T = q_BxTxHxh.shape[1]
-  outs = [_attention(q_BxTxHxh[:, a:a + block], k_BxKxhxT[..., :a + block],
-                     v_BxKxTxh[:, :, :a + block], mask_BxTxT[:, a:a + block, :a + block], dtype)
-          for a in range(0, T, block)]
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+# The XLA attentions live with the platform kernels; these names stay for callers and tests.
+_attention = kernels.cached_attention
+_causal_attention = kernels.blocked_causal_attention
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------

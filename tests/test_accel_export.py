@@ -1,0 +1,126 @@
+"""Kernels follow the LOWERING platform: the train step (float32 and bfloat16) and the embedded
+engine's prefill and decode programs export (``jax.export``) for ``cuda`` and ``tpu`` from this
+CPU host with no CPU-only custom call inside, and carry the platform's attention kernel; the
+same traces lowered for the CPU carry the MKL kernels (where they are enabled).
+"""
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rao_jax.learner import LearnerConfig
+from rao_jax.learner import step as step_lib
+from rao_jax.learner.testing import tiny_model_config
+from rao_jax.model import cpu_kernels
+from rao_jax.model.transformer import Transformer
+from rao_jax.rollout import embedded
+
+pytestmark = pytest.mark.slow
+
+T = 128          # a multiple of both kernels' blocks, so the Pallas kernels are chosen
+# Custom calls a GPU/TPU program may hold (jax.export checks these have stability guarantees).
+PLATFORM_KERNELS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def _targets(text: str) -> set[str]:
+  return set(re.findall(r"custom_call @([\w$.]+)", text)) | set(
+      re.findall(r'call_target_name = "([^"]+)"', text))
+
+
+@pytest.fixture(scope="module")
+def mkl_on_host():
+  """The MKL kernels enabled on this host (any x86 CPU with them built), so a CPU-only custom
+  call is really in the traced program; restored afterwards."""
+  import os
+  old = os.environ.get(cpu_kernels.ENV)
+  try:
+    cpu_kernels.select("mkl")
+    available = cpu_kernels.ready()
+  except cpu_kernels.CpuKernelsUnavailable:
+    available = False
+  if not available:
+    cpu_kernels.select("xla")
+  yield available
+  if old is None:
+    os.environ.pop(cpu_kernels.ENV, None)
+  else:
+    os.environ[cpu_kernels.ENV] = old
+  cpu_kernels.ready.cache_clear()
+
+
+def _train_step_args(dtype):
+  model_cfg = tiny_model_config(dtype=dtype, vocab_size=256, d_model=64, head_dim=16,
+                                mlp_dim=128)
+  cfg = LearnerConfig(row_len=T, micro_batch_rows=2, bucket_rows=(2,), lr=1e-5)
+  graphdef, params, _ = nnx.split(
+      nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  opt = step_lib.make_optimizer(cfg)
+  state = jax.eval_shape(lambda p: step_lib.TrainState(
+      step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p),
+      rng=jax.random.PRNGKey(0)), params)
+  batch = {k: jax.ShapeDtypeStruct((2, T), jnp.int32) for k in step_lib.BATCH_KEYS_2D}
+  for k in ("coef_BxT", "kl_weight_BxT", "rollout_logp_BxT"):
+    batch[k] = jax.ShapeDtypeStruct((2, T), jnp.float32)
+  batch["loss_mask_BxT"] = jax.ShapeDtypeStruct((2, T), jnp.bool_)
+  batch["normalizer"] = jax.ShapeDtypeStruct((), jnp.float32)
+  fn = jax.jit(functools.partial(step_lib.train_step,
+                                 statics=step_lib.StepStatics(graphdef, cfg, None)))
+  return fn, (state, batch)
+
+
+def _engine_programs(dtype):
+  model_cfg = tiny_model_config(dtype=dtype, vocab_size=256, d_model=64, head_dim=16,
+                                mlp_dim=128)
+  make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))
+  fns = nnx.eval_shape(make).inference_fns()
+  params = jax.eval_shape(lambda: make().inference_params())
+  cache = jax.eval_shape(lambda: make().init_cache(batch_size=4, max_len=256))
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  prefill = (embedded._prefill, (fns, params, cache, i32(2), i32(2, 64), i32(2), i32(2)))
+  decode = (embedded._decode, (fns, 2, params, cache, i32(4), i32(4),
+                               jax.ShapeDtypeStruct((4,), jnp.bool_), f32(4), f32(4), i32(4),
+                               i32(4), f32(4)))
+  return {"prefill": prefill, "decode": decode}
+
+
+def _check_export(fn, args, platform):
+  # jax.export refuses custom calls without a stability guarantee; Triton IR has none, so the
+  # Pallas GPU kernel alone is allowed by name (a serialized GPU program must be re-exported
+  # with the jaxlib that runs it). A CPU-only call (MKL) would still fail here.
+  allowed = [jax.export.DisabledSafetyCheck.custom_call(PLATFORM_KERNELS["cuda"])] \
+      if platform == "cuda" else []
+  exp = jax.export.export(fn, platforms=(platform,), disabled_checks=allowed)(*args)
+  targets = _targets(exp.mlir_module())
+  assert not any(t.startswith("rao_mkl") for t in targets), targets
+  assert targets <= set(PLATFORM_KERNELS.values()) | {"Sharding", "shape_assertion"}, targets
+  return targets
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_step_exports_for_gpu_and_tpu_with_their_kernels(mkl_on_host, dtype):
+  fn, args = _train_step_args(dtype)
+  for platform, kernel in PLATFORM_KERNELS.items():
+    targets = _check_export(fn, args, platform)
+    assert kernel in targets, (platform, targets)   # the platform's flash attention
+  # The same trace lowered for this CPU holds the MKL kernels (float32) and no GPU/TPU kernel.
+  cpu_text = fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+  cpu_targets = _targets(cpu_text)
+  if mkl_on_host and dtype == "float32":
+    assert {"rao_mkl_gemm", "rao_mkl_attention_fwd", "rao_mkl_attention_bwd"} <= cpu_targets
+  else:
+    assert not any(t.startswith("rao_mkl") for t in cpu_targets), cpu_targets
+  assert not set(PLATFORM_KERNELS.values()) & cpu_targets
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_engine_programs_export_for_gpu_and_tpu(mkl_on_host, name, dtype):
+  fn, args = _engine_programs(dtype)[name]
+  for platform in PLATFORM_KERNELS:
+    _check_export(fn, args, platform)
