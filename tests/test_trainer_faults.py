@@ -101,6 +101,15 @@ def test_a_crashed_sandbox_and_an_aborted_generation_are_infra_failures():
 
   (tree,) = asyncio.run(runner(Abort(None)).run_tasks([task()]))
   assert tree.root.end_reason == "error" and "aborted" in tr.infra_error(tree)
+  # A sandbox that cannot be acquired (the pool failed to start one) is one too.
+  class BrokenPool(local_exec.LocalReplPool):
+    async def acquire(self):
+      raise RuntimeError("sandbox did not start")
+
+  r = rn.TreeRunner(env(), Scripted(lambda s, t: code("finish('x')")), TOK, BrokenPool(),
+                    rn.RunnerConfig(recursive=False))
+  (tree,) = asyncio.run(r.run_tasks([task()]))
+  assert "sandbox did not start" in tr.infra_error(tree)
   # An agent's own error (bad code, a raising tool) is not an infrastructure failure.
   bodies = ["no code", code("1 / 0"), code("finish('x')")]
   (tree,) = asyncio.run(runner(Scripted(lambda s, t: bodies[min(t, 2)])).run_tasks([task()]))
