@@ -20,6 +20,14 @@ records its staleness (`extras["staleness"]`: the step minus the oldest weight v
 sampled with). The engine holds its own copies of the weights, so the learner's donated state
 is never read by a rollout in flight.
 
+Several processes (`jax.distributed`): process p rolls out the groups p, p + P, p + 2P, ... of
+the step's tasks on its own engine and sandboxes; the trees are then exchanged (a host
+all-gather of their JSON), so every process prepares the same global batch from the union in
+process order: depth weights and the normalizer count the whole batch, and each device reads its
+own rows of it in the SPMD step. Every engine takes a process-local copy of the new weights;
+every process joins Orbax's checkpoint save (Orbax writes each file once); metrics, tree files,
+evaluation, HTML and the plot come from process 0. Overlap is single-process only.
+
 Faults the loop survives (each counted in the `train/faults/*` metrics):
   * a non-finite update is refused by the learner (state unchanged), logged and skipped; the
     learning-rate schedule counts applied updates only (the learner's own step counter);
@@ -198,6 +206,11 @@ def _validate(config) -> None:
   if int(config.rl.max_nonfinite_steps) < 1:
     raise ValueError(f"config.rl.max_nonfinite_steps={config.rl.max_nonfinite_steps}: must be "
                      ">= 1 (non-finite updates in a row that stop the run).")
+  import jax  # pylint: disable=g-import-not-at-top
+  if config.rl.overlap and jax.process_count() > 1:
+    raise ValueError("config.rl.overlap=True with several processes: the next step's rollouts "
+                     "would exchange trees while the learner step runs its collectives; use "
+                     "--config.rl.overlap=False for multi-host runs.")
   if int(config.rl.infra_retries) < 0:
     raise ValueError(f"config.rl.infra_retries={config.rl.infra_retries}: must be >= 0.")
 
@@ -207,9 +220,13 @@ class Trainer:
 
   def __init__(self, config, workdir: str):
     _validate(config)
+    import jax  # pylint: disable=g-import-not-at-top
     self.config, self.workdir = config, os.path.abspath(workdir)
+    self.process, self.num_processes = jax.process_index(), jax.process_count()
+    self.main = self.process == 0
     os.makedirs(self.workdir, exist_ok=True)
-    X.save_config(config, self.workdir)
+    if self.main:
+      X.save_config(config, self.workdir)
     self.env = X.make_env(config)
     self.train_tasks = X.task_split(self.env, "train", config.env.train_difficulty)
     model, self.tokenizer = X.load_policy(config)
@@ -227,8 +244,9 @@ class Trainer:
       log.info("Resumed from %s at step %d.", self.learner.cfg.ckpt_dir, self.start_step)
     elif config.ckpt.init_from:
       self._init_params_from(config.ckpt.init_from)
-    self.engine = X.make_engine(config, self.learner.model, self.tokenizer)
-    self.metrics = metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard)
+    self.engine = X.make_engine(config, self._local_model(), self.tokenizer)
+    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard)
+                    if self.main else _NoMetrics())
     self.trees_dir = os.path.join(self.workdir, "trees")
     os.makedirs(self.trees_dir, exist_ok=True)
 
@@ -250,11 +268,24 @@ class Trainer:
 
   # -- weight sync ---------------------------------------------------------------------------
 
+  def _local_model(self):
+    """The learner's model with this process's own full copy of the parameters (the learner's
+    arrays span every process's devices; the engine runs on this process alone)."""
+    if self.num_processes == 1:
+      return self.learner.model
+    import jax  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    local = jax.tree.map(
+        lambda x: jax.numpy.asarray(multihost_utils.process_allgather(x, tiled=True)),
+        self.learner.params)
+    return nnx.merge(self.learner.graphdef, local)
+
   def sync_weights(self, version: int) -> float:
     t0 = time.perf_counter()
-    from rao_jax.rollout.embedded import EmbeddedEngine  # pylint: disable=g-import-not-at-top
-    if isinstance(self.engine, EmbeddedEngine):
-      self.engine.update_weights(self.learner.model, version)
+    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
+    if not isinstance(self.engine, SGLangEngine):   # in process: the embedded engine
+      self.engine.update_weights(self._local_model(), version)
     else:
       export_dir = os.path.join(self.workdir, "weights", f"v{version:06d}")
       from rao_jax.model import export_hf  # pylint: disable=g-import-not-at-top
@@ -277,6 +308,7 @@ class Trainer:
     c = self.config
     tasks = X.train_tasks_for_step(self.train_tasks, step, int(c.rl.tasks_per_step),
                                    int(c.env.train_seed))
+    tasks = process_share(tasks, self.process, self.num_processes)
     t0 = time.perf_counter()
     limit = float(c.rl.rollout_deadline_s)
     deadline = t0 + limit if limit > 0 else None
@@ -291,6 +323,9 @@ class Trainer:
     for _, _, st in groups:
       faults.update(st)
     toks = sum(n.num_generated_tokens for t in every for n in t.nodes)
+    if self.num_processes > 1:
+      trees, every, faults, toks, wall = await asyncio.to_thread(
+          exchange, trees, every, dict(faults), toks, wall)
     return trees, X.RolloutStats(wall, toks), every, dict(faults)
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
@@ -352,7 +387,8 @@ class Trainer:
                         step, stale, c.rl.max_staleness)
             trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
         staleness = record_staleness(every, step)
-        R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
+        if self.main:
+          R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
         fault_totals.update(faults)
 
         batch, adv = self.learner.prepare(trees) if trees else (None, None)
@@ -407,7 +443,7 @@ class Trainer:
               "of the trees in " + self.trees_dir + ", or raise config.rl.max_nonfinite_steps.")
 
         every_n = int(c.eval.every)   # <= 0: no evaluation inside the loop
-        if every_n > 0 and (step % every_n == 0 or step == total):
+        if self.main and every_n > 0 and (step % every_n == 0 or step == total):
           t_eval = time.perf_counter()
           last_eval = await stopper.guard(self.evaluate(repls, step))
           last_eval["time/eval_s"] = time.perf_counter() - t_eval
@@ -432,9 +468,55 @@ class Trainer:
       await repls.close()
       await self.engine.close()
       self.metrics.close()
-    plot = metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
+    plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
+            if self.main else None)
     return {"step": step, "stopped": stopped, "eval": last_eval, "plot": plot,
             "workdir": self.workdir}
+
+
+class _NoMetrics:
+  """The metrics writer of processes other than 0 (process 0 writes for the run)."""
+  path = None
+
+  def write(self, *args, **kwargs) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def process_share(tasks, process: int, num_processes: int):
+  """Process `process`'s disjoint share of a step's tasks: whole groups, round robin."""
+  return list(tasks)[process::num_processes]
+
+
+def _allgather_bytes(data: bytes) -> list[bytes]:
+  """Every process's `data`, in process order (a host all-gather over jax.distributed)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  lens = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
+  buf = np.zeros(max(int(lens.max()), 1), np.uint8)
+  buf[:len(data)] = np.frombuffer(data, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(buf))
+  return [every[i, :int(n)].tobytes() for i, n in enumerate(lens.reshape(-1))]
+
+
+def exchange(trees, every, faults, tokens, wall):
+  """The union of all processes' trees (process order), summed fault counters and tokens, the
+  slowest process's rollout wall time."""
+  import json  # pylint: disable=g-import-not-at-top
+  mine = json.dumps({"every": [t.to_dict() for t in every], "kept": [t.tree_id for t in trees],
+                     "faults": faults, "tokens": tokens, "wall": wall}).encode()
+  all_trees, all_every, all_faults, all_tokens, all_wall = [], [], collections.Counter(), 0, 0.0
+  for part in _allgather_bytes(mine):
+    d = json.loads(part.decode())
+    run = [R.TreeRecord.from_json(t) for t in d["every"]]
+    by_id = {t.tree_id: t for t in run}
+    all_every += run
+    all_trees += [by_id[i] for i in d["kept"]]   # the order the process trained them in
+    all_faults.update(d["faults"])
+    all_tokens += int(d["tokens"])
+    all_wall = max(all_wall, float(d["wall"]))
+  return all_trees, all_every, dict(all_faults), all_tokens, all_wall
 
 
 class NonFiniteGuard:

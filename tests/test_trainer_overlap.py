@@ -62,3 +62,109 @@ def test_engine_survives_learner_steps_that_donate_its_source():
   finally:
     asyncio.run(engine.close())
     learner.close()
+
+
+# ---- the trainer end to end: overlap on the embedded engine, then non-finite updates --------
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+  from flax import nnx
+  from rao_jax.model import ModelConfig as MC, Transformer, export_hf, resolve_model_path
+  from rao_jax.model.tokenizer import Tokenizer
+  gguf = resolve_model_path("smollm2-135m")
+  cfg = MC.from_gguf(gguf).tiny()
+  out = str(tmp_path_factory.mktemp("tiny_hf"))
+  export_hf(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, Tokenizer.from_gguf(gguf), out)
+  return out
+
+
+def _config(model_dir, total_steps):
+  from experiments.configs import textcraft_synth
+  c = textcraft_synth.get_config("recursive,smoke")
+  c.model.name = model_dir
+  c.total_steps = total_steps
+  c.agent.max_new_tokens = 16
+  c.agent.max_steps_per_agent = 2
+  c.agent.context_window = 1024
+  c.rollout.max_cache_len = 1024
+  c.rollout.num_slots = 4
+  c.rl.kl_coef = 0.01          # keeps every node in the batch, so every step runs the learner
+  c.rl.loss = "ppo_clip"
+  c.rl.overlap = True
+  c.learner.row_len = 1024
+  c.eval.every = 0
+  c.log.progress = False
+  c.log.tensorboard = False
+  return c
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f if "train/success" in l]
+
+
+@pytest.mark.slow
+def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path):
+  from rao_jax import trainer
+  from rao_jax.agent import records as R
+  wd = str(tmp_path / "run")
+  res = trainer.train(_config(tiny_hf_dir, 3), wd)
+  assert res["step"] == 3 and not res["stopped"]
+  stale = []
+  for step in range(3):
+    trees = R.load_trees_jsonl(os.path.join(wd, "trees", f"step_{step:06d}.jsonl"))
+    for t in trees:
+      assert trainer.infra_error(t) is None, trainer.infra_error(t)
+      for n in t.nodes:
+        assert "Array has been deleted" not in n.extras.get("error", "")
+        assert n.end_reason != "error", n.extras
+        assert n.extras["staleness"] == step - min([n.weight_version] + list(
+            n.extras.get("weight_versions", [])))
+        stale.append((step, n.extras["staleness"]))
+  # Step 0 is on-policy; later batches were (at least partly) sampled while the learner
+  # updated. A result carries the engine's version when it finished, so a turn that ended after
+  # the swap counts as fresh: staleness is 0 or 1, and 1 somewhere.
+  assert {s for st, s in stale if st == 0} == {0}
+  assert {s for st, s in stale if st > 0} <= {0, 1}
+  assert max(s for st, s in stale if st > 0) == 1
+  rows = _rows(wd)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(r["train/learner/update_applied"] == 1.0 for r in rows)
+  assert max(r["train/rollout/staleness_max"] for r in rows) == 1.0
+  assert rows[-1]["train/learner/applied_updates"] == 3.0
+
+
+@pytest.mark.slow
+def test_trainer_skips_nonfinite_updates_then_stops_with_a_checkpoint(tiny_hf_dir, tmp_path,
+                                                                       monkeypatch):
+  from rao_jax import trainer
+  from rao_jax.learner import Learner
+  # Every batch is poisoned: each update is refused and counted, the run goes on, and the
+  # second in a row (max_nonfinite_steps=2) stops it with a clear error and a checkpoint.
+  real_prepare = Learner.prepare
+
+  def poisoned(self, trees):
+    batch, adv = real_prepare(self, trees)
+    return dataclasses.replace(batch, coef_BxT=np.full_like(batch.coef_BxT, np.nan)), adv
+
+  monkeypatch.setattr(Learner, "prepare", poisoned)
+  wd = str(tmp_path / "run")
+  c = _config(tiny_hf_dir, 6)
+  c.rl.overlap = False
+  c.rl.max_nonfinite_steps = 2
+  with pytest.raises(trainer.TrainingDivergedError, match="2 non-finite updates in a row"):
+    trainer.train(c, wd)
+  rows = _rows(wd)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert [r["train/faults/nonfinite_steps"] for r in rows] == [1.0, 2.0]
+  assert [r["train/learner/update_applied"] for r in rows] == [0.0, 0.0]
+  assert [r["train/learner/applied_updates"] for r in rows] == [0.0, 0.0]
+  steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+  assert steps[-1] == 2
