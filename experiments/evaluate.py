@@ -7,6 +7,7 @@ model with no run directory (a baseline before training).
       --model=smollm2-135m [--samples=8]                     # registry name, HF folder, .gguf
   python -m experiments.evaluate --config=experiments/configs/textcraft.py:recursive \
       --server_url=http://host:30000 [--model=TOKENIZER]     # SGLang or rao_jax.rollout.serve
+      [--server_api=openai]                                   # any /v1/completions server
 
 Greedy success (with a 95% interval) per mode and difficulty; with --samples=K also K sampled
 trees per task (the config's agent temperature) and the unbiased pass@k for k = 1..K. Tasks
@@ -32,7 +33,11 @@ _MODEL = flags.DEFINE_string(
     "model", None, "Evaluate this model without a run directory: a registry name, HF folder "
     "or GGUF file (default: the config's model.name); with --server_url, the tokenizer.")
 _SERVER_URL = flags.DEFINE_list(
-    "server_url", None, "SGLang-native server(s) to generate with instead of a local model.")
+    "server_url", None, "Server(s) to generate with instead of a local model.")
+_SERVER_API = flags.DEFINE_enum(
+    "server_api", "sglang", ["sglang", "openai"],
+    "sglang: SGLang-native /generate (SGLang, rao_jax.rollout.serve); openai: one "
+    "OpenAI-compatible /v1/completions server (vLLM, ...).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _NUM_TASKS = flags.DEFINE_integer("num_tasks", None, "Held-out tasks per difficulty.")
 _MODES = flags.DEFINE_list("modes", ["recursive", "single"], "Agent modes to evaluate.")
@@ -64,7 +69,7 @@ def main(argv):
                                     server_urls=_SERVER_URL.value, num_tasks=_NUM_TASKS.value,
                                     modes=_MODES.value, difficulties=_DIFFS.value,
                                     out_dir=_OUT_DIR.value, samples=_SAMPLES.value,
-                                    task_files=files)
+                                    task_files=files, server_api=_SERVER_API.value)
   summary = {m: {d: {k: v[k] for k in ("success", "ci95", "pass_at_k") if k in v}
                  for d, v in per.items()} for m, per in res["modes"].items()}
   print(json.dumps({"step": res["step"], "model": res.get("model"), "out_dir": res["out_dir"],

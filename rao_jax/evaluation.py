@@ -80,16 +80,19 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | 
 def evaluate_model(config, model: str | None = None, server_urls: Sequence[str] | None = None,
                    num_tasks: int | None = None, modes: Sequence[str] = ("recursive", "single"),
                    difficulties: Sequence[str] | None = None, out_dir: str | None = None,
-                   samples: int = 0, task_files: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
+                   samples: int = 0, task_files: dict[str, str] | None = None,
+                   server_api: str = "sglang") -> dict[str, Any]:
   """Evaluates a model that has no run directory, under `config` (an experiments config).
 
   Args:
     config: the experiment config (environment, agent, sandbox and eval settings).
     model: a registry name, HF folder or GGUF file (default: ``config.model.name``); served by
       the embedded engine. Ignored when ``server_urls`` is given.
-    server_urls: SGLang-native servers (SGLang, or ``python -m rao_jax.rollout.serve``) to
-      generate with; the tokenizer comes from ``model`` or ``config.model.name``.
+    server_urls: servers to generate with; the tokenizer comes from ``model`` or
+      ``config.model.name``.
+    server_api: "sglang": SGLang-native /generate (SGLang, ``rao_jax.rollout.serve``; several
+      URLs share the load); "openai": one OpenAI-compatible /v1/completions server (vLLM, ...;
+      see ``sglang_client.OpenAIEngine``).
     num_tasks, modes, difficulties, samples, task_files: as in ``evaluate_checkpoint``.
     out_dir: where results.json, trees.jsonl and trees.html go (default
       ``./evaluation/<model or server>``).
@@ -97,8 +100,12 @@ def evaluate_model(config, model: str | None = None, server_urls: Sequence[str] 
   Returns:
     The results dict, shaped as ``evaluate_checkpoint``'s (``step`` None, ``model`` set).
   """
+  if server_api not in ("sglang", "openai"):
+    raise ValueError(f"server_api={server_api!r}: use 'sglang' or 'openai'.")
+  if server_api == "openai" and server_urls and len(server_urls) != 1:
+    raise ValueError(f"server_api='openai' takes one server URL, got {list(server_urls)}.")
   return asyncio.run(_evaluate_model(config, model, server_urls, num_tasks, modes,
-                                     difficulties, out_dir, samples, task_files))
+                                     difficulties, out_dir, samples, task_files, server_api))
 
 
 def make_env(config, task_files: dict[str, str] | None = None):
@@ -121,18 +128,21 @@ def _check(modes, samples):
 
 
 async def _evaluate_model(config, model, server_urls, num_tasks, modes, difficulties, out_dir,
-                          samples, task_files=None) -> dict[str, Any]:
+                          samples, task_files=None, server_api="sglang") -> dict[str, Any]:
   _check(modes, samples)
   name = model or config.model.name
   env = make_env(config, task_files)
   if server_urls:
     from rao_jax.model.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     from rao_jax.model.weights import resolve_model_path  # pylint: disable=g-import-not-at-top
-    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
+    from rao_jax.rollout import sglang_client  # pylint: disable=g-import-not-at-top
     path = resolve_model_path(name)
     tokenizer = (Tokenizer.from_hf_folder(path) if os.path.isdir(path)
                  else Tokenizer.from_gguf(path))
-    engine = SGLangEngine(list(server_urls))
+    if server_api == "openai":
+      engine = sglang_client.OpenAIEngine(server_urls[0], tokenizer)
+    else:
+      engine = sglang_client.SGLangEngine(list(server_urls))
     label = ",".join(server_urls)
   else:
     from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top

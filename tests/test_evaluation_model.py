@@ -87,3 +87,33 @@ def test_evaluate_model_from_server_with_pass_at_k(server_url, tmp_path):
                                   task_files={"test": str(path)})
   per = res["modes"]["single"]["all"]
   assert list(per["per_task"]) == [env.tasks("train")[5].task_id] and "pass_at_k" not in per
+
+
+@pytest.mark.slow
+def test_evaluate_model_from_an_openai_compatible_server(server_url, tmp_path):
+  res = evaluation.evaluate_model(_config(), server_urls=[server_url], num_tasks=1,
+                                  modes=("single",), out_dir=str(tmp_path / "c"),
+                                  server_api="openai")
+  per = res["modes"]["single"]["all"]
+  assert per["num_tasks"] == 1 and 0.0 <= per["success"] <= 1.0
+  with pytest.raises(ValueError, match="one server URL"):
+    evaluation.evaluate_model(_config(), server_urls=[server_url, server_url],
+                              server_api="openai")
+
+
+def test_openai_engine_matches_the_served_engine(server_url):
+  """Through /v1/completions with return_token_ids, the ids are the engine's own."""
+  from rao_jax.rollout import GenerateRequest, SamplingParams
+  from rao_jax.rollout.sglang_client import OpenAIEngine, SGLangEngine
+
+  async def go():
+    a = OpenAIEngine(server_url, tokenizer=None)
+    b = SGLangEngine(server_url)
+    req = GenerateRequest(list(range(20, 40)), SamplingParams(temperature=0, max_new_tokens=7))
+    ra, rb = await a.generate(req), await b.generate(req)
+    await a.close()
+    await b.close()
+    return ra, rb
+  ra, rb = asyncio.run(go())
+  assert ra.token_ids == rb.token_ids and len(ra.token_ids) == len(ra.logprobs)
+  assert ra.logprobs == pytest.approx(rb.logprobs, abs=1e-5)

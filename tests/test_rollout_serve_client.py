@@ -130,3 +130,67 @@ def test_seed_warning_once_per_server(caplog):
   with caplog.at_level(logging.WARNING, logger="rao_jax.rollout.sglang_client"):
     assert asyncio.run(go(True)) == (0, 1)
   assert not any("reproducible" in r.getMessage() for r in caplog.records)
+
+
+class FakeOpenAI:
+  """A strict OpenAI-compatible /v1/completions server: unknown fields are refused, and the
+  answer carries text only (no token ids)."""
+
+  def __init__(self):
+    self.bodies = []
+
+  async def completions(self, request):
+    body = await request.json()
+    self.bodies.append(body)
+    if "return_token_ids" in body:
+      return web.json_response({"object": "error", "message": "Unrecognized request argument "
+                                "supplied: return_token_ids", "code": 400}, status=400)
+    return web.json_response({"object": "text_completion", "model": body["model"], "choices": [
+        {"index": 0, "text": "hi!", "finish_reason": "stop", "logprobs": None}]})
+
+  async def models(self, request):
+    return web.json_response({"object": "list", "data": [{"id": "m1", "object": "model"}]})
+
+  async def __aenter__(self):
+    app = web.Application()
+    app.router.add_post("/v1/completions", self.completions)
+    app.router.add_get("/v1/models", self.models)
+    self.runner = web.AppRunner(app)
+    await self.runner.setup()
+    port = _port()
+    await web.TCPSite(self.runner, "127.0.0.1", port).start()
+    self.url = f"http://127.0.0.1:{port}"
+    return self
+
+  async def __aexit__(self, *exc):
+    await self.runner.cleanup()
+
+
+def test_openai_engine_falls_back_to_reencoding_text():
+  from rao_jax.rollout.sglang_client import OpenAIEngine
+
+  class CharTokenizer:       # stands in for the model's tokenizer (not under test)
+    stop_token_ids = [2]
+
+    @staticmethod
+    def encode(text):
+      return [ord(c) for c in text]
+
+  async def go():
+    async with FakeOpenAI() as srv:
+      eng = OpenAIEngine(srv.url + "/v1", CharTokenizer(), retry_timeout=5)
+      r = await eng.generate(GenerateRequest([5, 6], SamplingParams(max_new_tokens=4, seed=3)))
+      r2 = await eng.generate(GenerateRequest([5], SamplingParams(
+          max_new_tokens=4, stop_token_ids=(7,))))
+      await eng.close()
+      return srv.bodies, r, r2
+  bodies, r, r2 = asyncio.run(go())
+  # First call refused for return_token_ids, then retried without it; later calls skip it.
+  assert "return_token_ids" in bodies[0] and "return_token_ids" not in bodies[1]
+  assert len(bodies) == 3 and bodies[1]["model"] == "m1" and bodies[1]["prompt"] == [5, 6]
+  assert bodies[1]["seed"] == 3 and bodies[1]["max_tokens"] == 4
+  # Text re-encoded, the stop token that ended the turn appended.
+  assert r.token_ids == [ord("h"), ord("i"), ord("!"), 2] and r.finish_reason == FinishReason.STOP
+  assert r.logprobs == [0.0] * 4
+  assert bodies[2]["stop_token_ids"] == [7] and bodies[2]["ignore_eos"] is True
+  assert r2.token_ids[-1] == 7

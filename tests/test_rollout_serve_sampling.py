@@ -13,6 +13,7 @@ from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig
 from rao_jax.testing import tiny_config
 
 
+@pytest.mark.slow
 def test_penalties_follow_sglang_formulas():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
@@ -29,6 +30,7 @@ def test_penalties_follow_sglang_formulas():
   np.testing.assert_array_equal(np.asarray(got)[counts == 0], logits[counts == 0])
 
 
+@pytest.mark.slow
 def test_min_p_keeps_only_tokens_near_the_top():
   B, V = 256, 64
   logits = np.tile(np.linspace(0.0, 4.0, V, dtype=np.float32), (B, 1))

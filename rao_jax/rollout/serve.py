@@ -646,7 +646,8 @@ class Server:
              "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
              "ignore_eos", "skip_special_tokens", "no_stop_trim", "rid", "metadata", "store",
              "service_tier", "reasoning_effort", "modalities", "audio", "prediction",
-             "chat_template_kwargs", "separate_reasoning", "continue_final_message"}
+             "chat_template_kwargs", "separate_reasoning", "continue_final_message",
+             "return_token_ids"}
     unknown = sorted(set(body) - known)
     if unknown:
       raise BadRequest(f"unknown fields: {unknown}.", unknown[0])
@@ -777,6 +778,7 @@ class Server:
         raise BadRequest(f"logprobs={lp!r} must be an int in [0, {_TOP_LOGPROBS_MAX}].",
                          "logprobs")
       echo = _bool(body, "echo", False, "request")
+      want_ids = _bool(body, "return_token_ids", False, "request")
       stream = _bool(body, "stream", False, "request")
       include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
       items = self._openai_items(ids, sp, n, lp is not None, lp or 0, echo)
@@ -792,10 +794,13 @@ class Server:
       text = d.text or ""
       if echo:
         text = echo_text[k // n] + text
-      return {"index": k, "text": text,
-              "logprobs": self._completion_logprobs(d, echo, lp or 0) if lp is not None
-              else None,
-              "finish_reason": self._oa_finish(d), "matched_stop": d.finish.get("matched")}
+      out = {"index": k, "text": text,
+             "logprobs": self._completion_logprobs(d, echo, lp or 0) if lp is not None
+             else None,
+             "finish_reason": self._oa_finish(d), "matched_stop": d.finish.get("matched")}
+      if want_ids:     # vLLM's extension: the generated ids (stop token included), untrimmed
+        out["token_ids"] = d.ids
+      return out
 
     def envelope(choices, **extra):
       return {"id": rid, "object": "text_completion", "created": int(time.time()),
