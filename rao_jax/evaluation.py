@@ -166,9 +166,11 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
   repls = X.sandbox_pool(config)
   await repls.start()
   all_trees = []
+  # The in-loop evaluation's judge (config.judge.eval) scores nodes no verifier covers here too.
+  judge = X.make_judge(config, "eval", engine, tokenizer)
   try:
     for mode in modes:
-      runner = X.make_runner(config, env, engine, tokenizer, repls,
+      runner = X.make_runner(config, env, engine, tokenizer, repls, judge=judge,
                              recursive=mode == "recursive", greedy=True)
       per_mode = {}
       for diff in diffs:
@@ -186,7 +188,9 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
                  diff, per_mode[diff]["success"], lo, hi, len(trees))
         all_trees += trees
         if samples:
-          sampler = X.make_runner(config, env, engine, tokenizer, repls,
+          # No fixed seed: the runner gives every generation the config's seed, which would
+          # make the K samples of a task identical; the engine draws one per request instead.
+          sampler = X.make_runner(config, env, engine, tokenizer, repls, judge=judge,
                                   recursive=mode == "recursive", greedy=False)
           t0 = time.perf_counter()
           sampled = await sampler.run_tasks(tasks, group_size=samples)
