@@ -651,9 +651,8 @@ class Server:
     unknown = sorted(set(body) - known)
     if unknown:
       raise BadRequest(f"unknown fields: {unknown}.", unknown[0])
-    refuse = {"logit_bias": None, "suffix": None, "tools": None, "audio": None,
-              "prediction": None, "modalities": None, "reasoning_effort": None}
-    for k in refuse:
+    for k in ("logit_bias", "suffix", "tools", "audio", "prediction", "modalities",
+              "reasoning_effort"):
       if body.get(k) not in (None, [], {}, ""):
         raise BadRequest(f"{k} is not supported by this server.", k)
     if body.get("tool_choice") not in (None, "none"):
