@@ -3,7 +3,9 @@
 Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum),
 weights (registry, GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free
 tokenizer and chat template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line
-chat), matmul (the model's 2-D products: MKL sgemm through XLA FFI on x86 CPUs, else XLA's dot).
+chat), matmul (the model's 2-D products: MKL sgemm through XLA FFI on x86 CPUs, else XLA's dot),
+kernels (the platform kernels, chosen by the lowering platform: training attention by MKL or XLA
+on CPU, Pallas splash on TPU, Pallas flash on GPU; the KV-cache attention).
 
     ## The model API
     

@@ -8,8 +8,8 @@ backward pass recomputes the probabilities from the saved log-sum-exp (flash att
 scheme: nothing of size T x T is stored). In place of XLA's masked, blocked attention it made the
 4 x 512 SmolLM2 training step 3.5% faster (MKL's products in both; in-process A/B on an AMD
 EPYC with RAO_JAX_CPU_KERNELS=mkl). ``usable``
-says when it applies; elsewhere (GPU, TPU, bfloat16, no MKL kernels: see cpu_kernels) the model
-keeps XLA's version.
+says when it applies; ``kernels.causal_attention`` calls it in the CPU lowering only (bfloat16
+or no MKL kernels: XLA's version; GPU and TPU: their Pallas kernels).
 """
 from __future__ import annotations
 
