@@ -4,10 +4,11 @@ Restores the newest (or a given) checkpoint of a training workdir onto the devic
 process (a run saved on 8 devices evaluates on 1), runs greedy trees on held-out tasks (the
 environment's "test" split, or ``config.env.task_files.test``), and writes `results.json`,
 `trees.jsonl` and `trees.html` under `workdir/evaluation/step_N/`. With ``samples=K`` it also
-runs K sampled trees per task (the config's agent temperature) and reports the unbiased
-pass@k for k = 1..K next to greedy success. ``evaluate_model`` does the same for a model with
-no run directory (a registry name, HF folder or GGUF file, or an SGLang-compatible server),
-so there is a baseline before training.
+runs K sampled trees per task (the config's agent temperature; saved to
+`sampled_trees.jsonl`) and reports the unbiased pass@k for k = 1..K next to greedy success.
+``evaluate_model`` does the same for a model with no run directory (a registry name, HF
+folder or GGUF file, or an SGLang- or OpenAI-compatible server), so there is a baseline
+before training.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
   results.update({"num_tasks": n, "env": config.env.name, "modes": {}})
   repls = X.sandbox_pool(config)
   await repls.start()
-  all_trees = []
+  all_trees, sampled_trees = [], []
   # The in-loop evaluation's judge (config.judge.eval) scores nodes no verifier covers here too.
   judge = X.make_judge(config, "eval", engine, tokenizer)
   try:
@@ -194,6 +195,7 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
                                   recursive=mode == "recursive", greedy=False)
           t0 = time.perf_counter()
           sampled = await sampler.run_tasks(tasks, group_size=samples)
+          sampled_trees += sampled
           per_mode[diff].update(sampled_stats(sampled, samples),
                                 sampled_wall_s=time.perf_counter() - t0)
           log.info("eval %s %s %s: pass@%d %.3f over %d tasks x %d samples", title, mode,
@@ -204,6 +206,8 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
     await repls.close()
     await engine.close()
   R.save_trees_jsonl(os.path.join(out_dir, "trees.jsonl"), all_trees)
+  if sampled_trees:
+    R.save_trees_jsonl(os.path.join(out_dir, "sampled_trees.jsonl"), sampled_trees)
   metrics_lib.write_html(all_trees, os.path.join(out_dir, "trees.html"), title=title)
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)

@@ -77,6 +77,13 @@ def test_evaluate_model_from_server_with_pass_at_k(server_url, tmp_path):
   saved = json.load(open(tmp_path / "a" / "results.json"))
   assert saved["modes"]["single"]["all"]["pass_at_k"] == per["pass_at_k"]
   assert os.path.getsize(tmp_path / "a" / "trees.jsonl") > 0
+  # The K samples of a task are distinct draws (a fixed seed would repeat one tree K times).
+  from rao_jax.agent import records as R
+  sampled = R.load_trees_jsonl(str(tmp_path / "a" / "sampled_trees.jsonl"))
+  assert len(sampled) == 4
+  for tid in held:
+    roots = [t.root.token_ids for t in sampled if t.task_id == tid]
+    assert len(roots) == 2 and roots[0] != roots[1]
 
   # A task file for the test split replaces the held-out tasks.
   env = tc.TextCraftEnv()
