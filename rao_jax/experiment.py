@@ -61,7 +61,9 @@ def load_config(workdir: str):
 
 
 def make_env(config) -> env_base.Environment:
-  return registry.make_env(config.env.name, _to_plain(config.env.kwargs))
+  """The environment of `config.env`, with any split read from `config.env.task_files`."""
+  files = {k: v for k, v in _to_plain(config.env.get("task_files", {})).items() if v}
+  return registry.make_env(config.env.name, _to_plain(config.env.kwargs), task_files=files or None)
 
 
 def task_split(env: env_base.Environment, split: str, difficulty: str | None) -> list[env_base.Task]:

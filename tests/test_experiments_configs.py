@@ -1,4 +1,7 @@
 """Experiment configs: every file and variant builds, locks, and rejects bad values clearly."""
+import json
+import os
+
 import pytest
 from ml_collections import config_flags  # noqa: F401  (the flag machinery users go through)
 
@@ -125,3 +128,19 @@ def test_demo_keeps_a_finished_run_and_resumes_an_unfinished_one(tmp_path):
   kept = [p for p in tmp_path.iterdir() if p.name.startswith("demo_out.previous-")]
   assert len(kept) == 1 and (kept[0] / "sft" / "ckpt").read_text() == "x"   # nothing lost
   assert not root.exists()
+
+
+def test_task_files_replace_a_split_through_the_config(tmp_path):
+  """--config.env.task_files.test=PATH: the held-out split comes from that JSONL file."""
+  from rao_jax.envs import textcraft as tc
+  src = os.path.join(tc.DATA_DIR, "textcraft_train.jsonl")
+  with open(src) as f:
+    lines = [next(f) for _ in range(3)]
+  path = tmp_path / "held_out.jsonl"
+  path.write_text("".join(lines))
+  c = textcraft.get_config("recursive")
+  c.env.task_files.test = str(path)
+  env = X.make_env(c)
+  goals = [json.loads(line)["goal"] for line in lines]
+  assert [t.goal for t in env.tasks("test")] == goals
+  assert len(env.tasks("train")) == 900     # the other splits stay the environment's own

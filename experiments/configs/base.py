@@ -41,6 +41,9 @@ def base_config() -> config_dict.ConfigDict:
                                      # agent.eval_temperature > 0); held-out tasks are the
                                      # environment's fixed test split
   c.env.kwargs = config_dict.ConfigDict()        # environment-specific options
+  # A JSONL task file per split (the RAO authors' format for TextCraft); "" = the environment's
+  # own tasks. The held-out split of every environment is "test".
+  c.env.task_files = config_dict.ConfigDict({"train": "", "test": ""})
 
   c.agent = config_dict.ConfigDict()
   c.agent.mode = "recursive"         # "recursive" (launch_subagent) | "single" (baseline)
