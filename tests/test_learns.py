@@ -20,8 +20,6 @@ import pytest
 
 from experiments.configs import micro as micro_config
 
-pytestmark = pytest.mark.slow
-
 WINDOW = 10      # steps averaged at the start and at the end of a run (each step: 4 tasks)
 MARGIN = 0.15    # the rise in success the trained run must reach and the control must not
 
@@ -30,6 +28,30 @@ def _train_success(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return np.asarray([r["train/success"] for r in rows if "train/success" in r])
+
+
+def test_micro_env_answers_are_one_token_and_verified():
+  from rao_jax.agent import code
+  from rao_jax.envs import base, micro, registry
+  env = registry.make_env("micro", {"num_answers": 3})
+  assert env.cfg.num_answers == 3
+  assert {t.fields["answer"] for t in env.tasks("train")} == {"0", "1", "2"}
+  tok = micro.build_tokenizer(env.cfg)
+  for d in "0123456789":
+    ids = tok.encode(micro.answer_cell(d))
+    assert len(ids) == 1, (d, ids)
+    assert code.extract_code(tok.decode(ids, skip_special_tokens=True)) == f'finish("{d}")'
+  task = env.tasks("train")[0]
+  node = base.NodeInfo("0", None, 0, task.goal, task.fields, 1)
+  ep = env.new_episode(task)
+
+  def outcome(finished, message):
+    return base.NodeOutcome(node, finished, message, "finish", 1, 1)
+
+  right, wrong = task.fields["answer"], str((int(task.fields["answer"]) + 1) % 3)
+  assert env.verify_root(ep, outcome(True, right)) == 1.0
+  assert env.verify_root(ep, outcome(True, wrong)) == 0.0
+  assert env.verify_root(ep, outcome(False, "")) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +71,13 @@ def runs(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_warm_start_leaves_room_to_learn(runs):
   # No gradient signal at 0% (every group fails) nor room at 100%.
   assert 0.05 <= runs["warm_start"]["success"] <= 0.6, runs["warm_start"]
 
 
+@pytest.mark.slow
 def test_success_rises_beyond_the_lr0_control(runs):
   trained, control = runs["trained"], runs["control"]
   assert len(trained) == len(control) <= 30
