@@ -28,6 +28,9 @@ from absl import flags
 _WORKDIR = flags.DEFINE_string("workdir", "runs/evidence", "Where the runs go.")
 _SCALE = flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu", "gpu"], "Experiment size.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/learning_evidence.json", "Result JSON.")
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only", False, "Run no stage: write the result files from the stages complete on "
+    "disk (an unfinished run's partial result, marked `complete: false`).")
 _MODES = flags.DEFINE_list("modes", ["recursive"], "Agent modes to compare (recursive, single).")
 
 # The CPU scale is sized to finish within ~100 minutes on 2 cores (see `minutes` and
@@ -192,8 +195,15 @@ def main(argv):
             "stage_minutes": {}}
   from rao_jax.model import cpu_kernels  # pylint: disable=g-import-not-at-top
   result["cpu"] = cpu_kernels.cpuinfo("model name")
+  result["complete"] = True
   for mode in _MODES.value:
-    per, minutes = run_mode(mode, s, root)
+    if _REPORT_ONLY.value:
+      per, minutes, missing = report_from_disk(mode, s, root)
+      if missing:
+        result["complete"] = False
+        result.setdefault("missing_stages", {})[mode] = missing
+    else:
+      per, minutes = run_mode(mode, s, root)
     result["modes"][mode] = per
     result["stage_minutes"][mode] = minutes
     result["training"] = result.get("training", {})
@@ -210,6 +220,26 @@ def main(argv):
   plot(result, root, stem + ".png")
   trees_page(root, _MODES.value, stem + "_trees.html")
   print(json.dumps(result))
+
+
+def report_from_disk(mode: str, s: dict, root: str) -> tuple[dict, dict, list[str]]:
+  """What the complete stages of `mode` measured: (per difficulty, stage minutes, missing)."""
+  done, minutes = {}, {}
+  for stage in ("sft", "eval_before", "rl", "eval_after"):
+    marker = os.path.join(root, mode, stage, "stage.json")
+    if os.path.exists(marker):
+      with open(marker) as f:
+        out = json.load(f)
+      done[stage], minutes[stage] = out["result"], out.get("minutes", 0.0)
+  missing = [x for x in ("sft", "eval_before", "rl", "eval_after") if x not in done]
+  per = {}
+  for diff in s["eval_diffs"]:
+    b = done.get("eval_before", {}).get(diff)
+    a = done.get("eval_after", {}).get(diff)
+    per[diff] = {"before": b and b["success"], "before_ci95": b and b["ci95"],
+                 "after": a and a["success"], "after_ci95": a and a["ci95"],
+                 "paired": _paired(b["per_task"], a["per_task"]) if a and b else None}
+  return per, minutes, missing
 
 
 def training_summary(rl_dir: str) -> dict:
@@ -239,11 +269,13 @@ def plot(result: dict, root: str, path: str) -> None:
   labels, before, after, err_b, err_a = [], [], [], [], []
   for mode, per in result["modes"].items():
     for diff, r in per.items():
-      labels.append(f"{mode}\n{diff}\n(n={r['paired']['n']})")
-      before.append(r["before"])
-      after.append(r["after"])
-      err_b.append((r["before_ci95"][1] - r["before_ci95"][0]) / 2)
-      err_a.append((r["after_ci95"][1] - r["after_ci95"][0]) / 2)
+      n = (r.get("paired") or {}).get("n", "?")
+      labels.append(f"{mode}\n{diff}\n(n={n})")
+      half = lambda ci: (ci[1] - ci[0]) / 2 if ci else 0.0
+      before.append(r["before"] or 0.0)   # None: that stage has not run (see `complete`)
+      after.append(r["after"] or 0.0)
+      err_b.append(half(r.get("before_ci95")))
+      err_a.append(half(r.get("after_ci95")))
   xs = range(len(labels))
   ax1.bar([x - 0.2 for x in xs], before, 0.4, yerr=err_b, label="warm start (SFT)")
   ax1.bar([x + 0.2 for x in xs], after, 0.4, yerr=err_a, label="after RAO")
@@ -264,6 +296,9 @@ def trees_page(root: str, modes, path: str, per_kind: int = 3) -> None:
   for mode in modes:
     load = lambda stage: {t.task_id: t for t in R.load_trees_jsonl(  # pylint: disable=cell-var-from-loop
         os.path.join(root, mode, stage, "trees.jsonl"))}
+    if not all(os.path.exists(os.path.join(root, mode, x, "trees.jsonl"))
+               for x in ("eval_before", "eval_after")):
+      continue
     before, after = load("eval_before"), load("eval_after")
     kinds = {"improved": [], "worsened": [], "unchanged": []}
     for tid in sorted(before):

@@ -1,4 +1,5 @@
 """The learning-evidence script's statistics, plot and configs (the runs themselves are long)."""
+import json
 import os
 
 import numpy as np
@@ -69,3 +70,26 @@ def test_stages_run_once_and_resume(tmp_path):
   assert st2.run("a", ok) == {"x": 1} and len(calls) == 1
   assert st2.run("b", ok) == {"x": 1} and len(calls) == 2
   assert set(st2.minutes) == {"a", "b"}
+
+
+def test_report_from_disk_marks_missing_stages(tmp_path):
+  """An unfinished run still reports what its complete stages measured, and what is missing."""
+  s = dict(le._SCALES["tiny"])
+  per_task = {"a": 1.0, "b": 0.0}
+  d = tmp_path / "recursive" / "eval_before"
+  d.mkdir(parents=True)
+  (d / "stage.json").write_text(json.dumps(
+      {"minutes": 2.5, "result": {"easy": {"success": 0.5, "ci95": [0.0, 1.0],
+                                           "per_task": per_task}}}))
+  per, minutes, missing = le.report_from_disk("recursive", s, str(tmp_path))
+  assert missing == ["sft", "rl", "eval_after"] and minutes == {"eval_before": 2.5}
+  assert per["easy"]["before"] == 0.5 and per["easy"]["after"] is None
+  assert per["easy"]["paired"] is None
+  le.plot({"modes": {"recursive": per}}, str(tmp_path), str(tmp_path / "p.png"))
+  d2 = tmp_path / "recursive" / "eval_after"
+  d2.mkdir()
+  (d2 / "stage.json").write_text(json.dumps(
+      {"minutes": 3.0, "result": {"easy": {"success": 1.0, "ci95": [1.0, 1.0],
+                                           "per_task": {"a": 1.0, "b": 1.0}}}}))
+  per, _, missing = le.report_from_disk("recursive", s, str(tmp_path))
+  assert missing == ["sft", "rl"] and per["easy"]["paired"]["delta"] == 0.5
