@@ -10,13 +10,14 @@ The same run with lr=0 (same seeds, hence the same tasks at every step) is the c
 success may drift by sampling noise only. Each answer is one generated token (see
 `rao_jax/envs/micro.py`), so a flipped advantage sign, a loss mask shifted by one token or an
 engine that keeps its old weights each leave the trained run no better than the control, and
-this test fails. Checked by hand (seed 0, same warm start, success = mean of the last 10 of 30
-steps minus the first 10; "lead" = trained minus control over the last 10, same tasks):
-  correct code            rise +0.33, lead +0.23   (control rise +0.06)
-  advantage sign flipped  rise -0.12, lead -0.44   (collapses to 0% success by step 5)
-  mask one token late     rise +0.06, lead +0.01   (the answer token never gets a gradient)
-  mask one token early    rise -0.15, lead -0.23   (measured at lr 5e-3)
-  engine keeps weights    rise +0.03, lead -0.01   (samples the warm start all along)
+this test fails. Checked by hand on seed 0 with the same warm start (windows of 10 of 30
+steps; "gain" = rise minus the control's rise +0.06; "lead" = trained minus control over the
+last 10 steps, same tasks). At lr 2e-3 (the config): gain +0.20, lead +0.19 (seed 1: +0.14,
++0.20). The breakages were run at lr 3e-3 (correct code there: gain +0.27, lead +0.23):
+  advantage sign flipped  gain -0.18, lead -0.44   (collapses to 0% success by step 5)
+  mask one token late     gain +0.00, lead +0.01   (the answer token never gets a gradient)
+  mask one token early    gain -0.21, lead -0.23   (run at lr 5e-3)
+  engine keeps weights    gain -0.03, lead -0.01   (samples the warm start all along)
 """
 import json
 import os
@@ -27,7 +28,7 @@ import pytest
 from experiments.configs import micro as micro_config
 
 WINDOW = 10      # steps averaged at the start and at the end of a run (each step: 4 tasks)
-MARGIN = 0.15    # the rise in success the trained run must reach and the control must not
+MARGIN = 0.12    # what the trained run must gain over the control (seeds 0, 1: 0.20, 0.14)
 
 
 def _train_success(workdir):
@@ -89,10 +90,12 @@ def test_success_rises_beyond_the_lr0_control(runs):
   assert len(trained) == len(control) <= 30
   rise = trained[-WINDOW:].mean() - trained[:WINDOW].mean()
   control_rise = control[-WINDOW:].mean() - control[:WINDOW].mean()
-  # Both runs drew the same tasks at every step: the end windows compare like with like.
+  # Both runs drew the same tasks at every step, so the control's drift is the task mix and
+  # sampling noise (seed 1: -0.11): the trained run must rise by MARGIN more than it, and
+  # lead it by MARGIN over the last steps (like for like).
   lead = trained[-WINDOW:].mean() - control[-WINDOW:].mean()
   report = (f"trained {np.round(trained, 2).tolist()}\ncontrol {np.round(control, 2).tolist()}\n"
             f"rise {rise:.3f}, control rise {control_rise:.3f}, lead at the end {lead:.3f}")
-  assert rise >= MARGIN, report
   assert control_rise < MARGIN, report
+  assert rise - control_rise >= MARGIN, report
   assert lead >= MARGIN, report
