@@ -137,6 +137,9 @@ def main():
   import torch
   from rao_jax import host_memory
   from rao_jax.model import cpu_kernels, load_model
+  # Importing rao_jax no longer changes malloc (host_memory.py): a CPU benchmark asks for it,
+  # before JAX starts its backends, or every step page-faults its temporaries afresh.
+  host_memory.keep_freed_memory()
   log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
       f"torch {torch.__version__} with {torch.get_num_threads()} threads")
   t0 = time.time()
