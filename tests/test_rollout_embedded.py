@@ -306,3 +306,65 @@ def test_real_smollm2_greedy_matches_plain_model():
   np.testing.assert_allclose(r.logprobs, recomputed_logprobs(model, p, r.token_ids),
                              atol=1e-4, rtol=0)
   assert tok.decode(r.token_ids).strip()
+
+
+def test_prefix_shared_across_slots_equals_recompute(model, warm):
+  """Contexts that start alike copy the KV of the first (cross-slot prefix sharing): the same
+  tokens and logprobs as prefilling everything, fewer tokens prefilled, nothing compiled."""
+  rng = np.random.default_rng(8)
+  head = list(map(int, rng.integers(3, 49152, size=26)))     # the "system prompt"
+  ps = [head + list(map(int, rng.integers(3, 49152, size=n))) for n in (3, 7, 1, 9)]
+  traces = EmbeddedEngine(model, **CFG).trace_counts
+
+  async def go(share):
+    eng = EmbeddedEngine(model, **CFG, share_prefix_min=share)
+    # Four at once: the first prefills the head, the others wait for it and copy its rows.
+    res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(8))) for p in ps])
+    stats = dict(eng.stats)
+    await eng.close()
+    return res, stats
+  (shared, s1), (plain, s0) = run(go(8)), run(go(0))
+  for p, a, b in zip(ps, shared, plain):
+    assert a.token_ids == b.token_ids == reference_greedy(model, p, 8)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+  assert s1["prefix_copies"] == 3 and s1["prefix_copied_tokens"] == 3 * len(head)
+  assert s0["prefill_tokens"] - s1["prefill_tokens"] == 3 * len(head)
+  assert sorted(r.cached_tokens for r in shared) == [0] + [len(head)] * 3
+  assert s1.get("prefix_waits", 0) > 0 and not s0.get("prefix_copies")
+  assert EmbeddedEngine(model, **CFG).trace_counts == traces
+
+
+def test_prefix_of_replaced_weights_is_never_shared(model, warm):
+  """A context still running on the old weights when new ones arrive is not a source: a new
+  context with its prefix must see the new weights' KV."""
+  graphdef, state = nnx.split(model)
+  other = nnx.merge(graphdef, jax.jit(
+      lambda st: jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, st))(state))
+  rng = np.random.default_rng(9)
+  head = list(map(int, rng.integers(3, 49152, size=20)))
+  p_long, p_new = head + [11, 12], head + [13]
+
+  async def go():
+    eng = EmbeddedEngine(model, **CFG, share_prefix_min=8)
+
+    def swap_mid_request(out, _):
+      # On the scheduler thread, two tokens in: new weights arrive and scheduling pauses, so
+      # the long request is certainly running on the old weights' KV when `new` is admitted.
+      if len(out) == 2:
+        eng.update_weights(other, 1, wait=False)
+        eng.pause()
+    task = asyncio.create_task(eng.generate(GenerateRequest(p_long, greedy(24)),
+                                            on_token=swap_mid_request))
+    while eng.weight_version != 1:
+      await asyncio.sleep(0.005)
+    new_task = asyncio.create_task(eng.generate(GenerateRequest(p_new, greedy(6))))
+    await asyncio.sleep(0.05)
+    eng.resume()
+    new, long = await new_task, await task
+    stats = dict(eng.stats)
+    await eng.close()
+    return new, long, stats
+  new, long, stats = run(go())
+  assert long.finish_reason == FinishReason.LENGTH and len(long.token_ids) == 24
+  assert new.cached_tokens == 0 and not stats.get("prefix_copies")
+  assert new.token_ids == reference_greedy(other, p_new, 6)

@@ -102,6 +102,8 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.urls = ()                # SGLang worker URLs (engine=sglang)
   c.rollout.num_slots = 32           # embedded engine: concurrent sequences
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
+  c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common
+                                     # prompt prefix this long (the system prompt); 0 = off
 
   c.sandbox = config_dict.ConfigDict()
   c.sandbox.isolation = "bwrap"      # bwrap | process (weaker, only when asked for)

@@ -18,6 +18,13 @@ A slot holds one context's KV cache. A request with a ``session_id`` keeps its s
 finishes; the next request of that session reuses the longest common prefix of the cached
 tokens and its prompt, so only the new suffix is prefilled. Idle sessions are evicted (least
 recently used first) when a slot is needed; an evicted session is recomputed transparently.
+
+Prefixes are also shared across slots (``share_prefix_min``): a new context whose prompt starts
+like another slot's cached tokens (every agent of a run starts with the same system prompt)
+gets that slot's KV rows copied (``_copy_row``, one memory copy) instead of recomputing them;
+a request whose shared prefix another slot is still prefilling waits for it. Prefill is
+compute-bound on CPU: an agent node of ~600 tokens whose first ~430 are the system prompt
+prefills ~170.
 """
 from __future__ import annotations
 
@@ -76,6 +83,8 @@ class EngineConfig:
     default_stop_token_ids: the stop ids of requests whose ``SamplingParams.stop_token_ids``
       is None (the default): give the tokenizer's ``stop_token_ids`` (end of turn, end of
       text) so generation ends where users expect; () = such requests never stop early.
+    share_prefix_min: a new context copies another slot's KV rows for a common prompt prefix
+      at least this many tokens longer than its own slot holds (0 = never share across slots).
   """
   num_slots: int = 16
   max_len: int = 2048
@@ -90,6 +99,7 @@ class EngineConfig:
   shrink_patience: int = 32
   seed: int = 0
   default_stop_token_ids: tuple[int, ...] = ()
+  share_prefix_min: int = 32
 
   def __post_init__(self):
     def ascending(name, vals):
@@ -108,6 +118,9 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.default_stop_token_ids={self.default_stop_token_ids!r}: "
                        "must be a tuple of token ids (non-negative ints).")
     object.__setattr__(self, "default_stop_token_ids", tuple(dict.fromkeys(stops)))
+    if int(self.share_prefix_min) < 0:
+      raise ValueError(f"EngineConfig.share_prefix_min={self.share_prefix_min!r}: must be >= 0 "
+                       "(0 turns cross-slot prefix sharing off).")
     for name in ("num_slots", "max_len", "min_cache_len", "decode_steps", "shrink_patience"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1.")
@@ -287,6 +300,22 @@ def _resize(len_axes, new_len, cache):
   return jax.tree.map(resize, cache, len_ax)
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _copy_row(batch_axes, cache, src, dst):
+  """The cache with slot `dst`'s rows replaced by slot `src`'s (a prefix shared across slots).
+
+  The whole row is copied: positions past the shared prefix are stale for `dst`, as after any
+  session's truncation, and are overwritten by its prefill before anything attends to them.
+  """
+  _TRACE_COUNTS["copy_row"] += 1
+  b_ax = _axes_tree(cache, batch_axes)
+
+  def copy(x, ax):
+    row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=ax)
+  return jax.tree.map(copy, cache, b_ax)
+
+
 # ---- host-side bookkeeping --------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class _Req:
@@ -316,6 +345,7 @@ class _Slot:
   req: _Req | None = None
   last_used: float = 0.0
   drop_after: bool = False     # end_session() arrived while a request was running
+  shareable: bool = True       # False while its KV holds tokens of replaced weights
 
 
 def _buffers(x) -> set[int]:
@@ -348,12 +378,20 @@ def _owned(params, source) -> Any:
   return jax.tree.map(own, params)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+  # Slice comparisons run in C: admission compares every waiting prompt with every slot (tens
+  # of ~500-token prefixes per scheduler step), too slow token by token in Python.
   n = min(len(a), len(b))
-  i = 0
-  while i < n and a[i] == b[i]:
-    i += 1
-  return i
+  if a[:n] == b[:n]:
+    return n
+  lo, hi = 0, n      # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if a[lo:mid] == b[lo:mid]:
+      lo = mid
+    else:
+      hi = mid
+  return lo
 
 
 class EmbeddedEngine(Engine):
@@ -381,8 +419,9 @@ class EmbeddedEngine(Engine):
     # Own buffers: the model may be a view of a learner state that its step donates.
     self._params = _owned(model.inference_params(), state)
     fns = model.inference_fns()
-    _, len_ax = _cache_axes(model)    # also checks every leaf has a batch axis
+    batch_ax, len_ax = _cache_axes(model)    # also checks every leaf has a batch axis
     self._len_axes = tuple(jax.tree.leaves(len_ax))
+    self._copy_fn = functools.partial(_copy_row, tuple(jax.tree.leaves(batch_ax)))
     probe = jax.eval_shape(lambda: model.logits(
         model.forward_cached(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              model.init_cache(batch_size=1, max_len=8),
@@ -585,6 +624,8 @@ class EmbeddedEngine(Engine):
       for S2 in lens:
         if S2 != S:
           self._resize_fns[S2](self._init_cache(batch_size=c.num_slots, max_len=S))
+      if c.share_prefix_min:
+        cache = self._copy_fn(cache, np.int32(0), np.int32(0))
       jax.block_until_ready(cache)
       del cache
     return time.perf_counter() - t0
@@ -727,6 +768,8 @@ class EmbeddedEngine(Engine):
           for s in self._slots:   # KV computed by old weights is stale for later turns
             if s.req is None:
               self._free_slot(s)
+            else:                 # finishes on the old KV; never a source for new contexts
+              s.shareable = False
           self._weights_applied.set()
         if closed:
           self._abort_where(lambda r: True, "engine closed")
@@ -762,7 +805,7 @@ class EmbeddedEngine(Engine):
   def _free_slot(self, slot: _Slot):
     if slot.session is not None and self._sessions.get(slot.session) == slot.index:
       del self._sessions[slot.session]
-    slot.tokens, slot.session, slot.drop_after = [], None, False
+    slot.tokens, slot.session, slot.drop_after, slot.shareable = [], None, False, True
 
   def _finish(self, req: _Req, reason: FinishReason, message: str = ""):
     if req.done:
@@ -794,11 +837,42 @@ class EmbeddedEngine(Engine):
     except RuntimeError:   # the caller's loop is gone; nobody is waiting
       pass
 
+  def _shared_prefix(self, req: _Req, exclude: _Slot | None) -> tuple[_Slot | None, int]:
+    """The slot whose cached tokens share the longest prefix with req's prompt, and its length
+    (capped so that one prompt token is left to prefill: it yields the first logits)."""
+    best, best_n = None, 0
+    cap = len(req.prompt) - 1
+    for s in self._slots:
+      if s is not exclude and s.shareable and len(s.tokens) > best_n:
+        n = min(_common_prefix(s.tokens, req.prompt), cap)
+        if n > best_n:
+          best, best_n = s, n
+    return best, best_n
+
+  def _wait_for_peer(self, req: _Req) -> bool:
+    """Whether a slot still prefilling the same prompt prefix will soon have it to share."""
+    m = self.config.share_prefix_min
+    if not m:
+      return False
+    _, have = self._shared_prefix(req, None)
+    cap = len(req.prompt) - 1
+    for s in self._slots:
+      r = s.req
+      if r is not None and not r.decoding and s.shareable:
+        n = min(_common_prefix(r.prompt, req.prompt), cap)
+        if n - have >= m and len(s.tokens) < n:
+          return True
+    return False
+
   def _admit(self):
     blocked = []
     while self._waiting:
       req = self._waiting.popleft()
       sid = req.request.session_id
+      if self._wait_for_peer(req):
+        blocked.append(req)
+        self.stats["prefix_waits"] += 1
+        continue
       slot = None
       if sid is not None and sid in self._sessions:
         cand = self._slots[self._sessions[sid]]
@@ -824,6 +898,14 @@ class EmbeddedEngine(Engine):
         if old is not None and old != slot.index:
           self._free_slot(self._slots[old])
       reuse = min(_common_prefix(slot.tokens, req.prompt), len(req.prompt) - 1)
+      if self.config.share_prefix_min:
+        src, n = self._shared_prefix(req, slot)
+        if src is not None and n - reuse >= self.config.share_prefix_min:
+          self._cache = self._copy_fn(self._cache, np.int32(src.index), np.int32(slot.index))
+          self.stats["prefix_copies"] += 1
+          self.stats["prefix_copied_tokens"] += n - reuse
+          reuse = n
+          slot.shareable = True
       slot.tokens = req.prompt[:reuse]
       slot.req, slot.drop_after = req, False
       req.slot, req.cached = slot.index, reuse
