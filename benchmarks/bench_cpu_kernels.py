@@ -78,6 +78,8 @@ def _attention(args, result):
 
 
 def main():
+  from rao_jax import host_memory   # before JAX starts: freed step buffers are reused, not
+  host_memory.keep_freed_memory()   # returned to the OS and page-faulted in again each step
   parser = argparse.ArgumentParser()
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--seq", type=int, default=512)

@@ -234,6 +234,8 @@ def run_mfu(args) -> dict:
 
 
 def main():
+  from rao_jax import host_memory   # before JAX starts: freed step buffers are reused, not
+  host_memory.keep_freed_memory()   # returned to the OS and page-faulted in again each step
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="1 row, 2 timed steps")
   p.add_argument("--rows", type=int, default=None,

@@ -108,6 +108,8 @@ def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=6
 
 
 def main():
+  from rao_jax import host_memory   # before JAX starts: freed step buffers are reused, not
+  host_memory.keep_freed_memory()   # returned to the OS and page-faulted in again each step
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="one repeat each")
   ap.add_argument("--batches", default="1,8,32", help="batch sizes of the throughput part")
