@@ -36,3 +36,55 @@ def tiny_model(seed: int = 0, **overrides):
   """A randomly initialised Transformer with ``tiny_config(**overrides)``."""
   from rao_jax.model.transformer import Transformer
   return Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed))
+
+
+class BackgroundServer:
+  """Serves a `rao_jax.rollout.serve.Server` on a loopback port from a background event loop
+  (real HTTP for a test's clients in the same process); closes the server and its engine.
+
+    with BackgroundServer(server) as url:
+      requests.post(url + "/generate", json=...)
+  """
+
+  def __init__(self, server, host: str = "127.0.0.1"):
+    import asyncio  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    from aiohttp import web  # pylint: disable=g-import-not-at-top
+    self.server = server
+    self.loop = asyncio.new_event_loop()
+    started, self._runner, self._error = threading.Event(), None, None
+
+    def run():
+      asyncio.set_event_loop(self.loop)
+      try:
+        self._runner = web.AppRunner(server.app())
+        self.loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, host, 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]   # port 0: the OS picked one
+      except BaseException as e:   # noqa: BLE001 - reported to the constructing thread
+        self._error = e
+        started.set()
+        return
+      started.set()
+      self.loop.run_forever()
+    self.thread = threading.Thread(target=run, daemon=True)
+    self.thread.start()
+    if not started.wait(120) or self._error is not None:
+      raise RuntimeError(f"BackgroundServer did not start: {self._error!r}")
+    self.url = f"http://{host}:{self.port}"
+
+  def close(self):
+    import asyncio  # pylint: disable=g-import-not-at-top
+    if not self.thread.is_alive():
+      return
+    asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
+    asyncio.run_coroutine_threadsafe(self.server.engine.close(), self.loop).result(30)
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(30)
+
+  def __enter__(self) -> str:
+    return self.url
+
+  def __exit__(self, *exc):
+    self.close()

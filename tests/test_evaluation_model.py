@@ -4,11 +4,8 @@ held-out split and on a task file, through the real agent runtime and sandboxes.
 import asyncio
 import json
 import os
-import socket
-import threading
 
 import pytest
-from aiohttp import web
 from flax import nnx
 
 from rao_jax import evaluation
@@ -16,7 +13,7 @@ from rao_jax.envs import textcraft as tc
 from rao_jax.model import Transformer
 from rao_jax.rollout import serve
 from rao_jax.rollout.embedded import EmbeddedEngine
-from rao_jax.testing import tiny_config
+from rao_jax.testing import BackgroundServer, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -27,29 +24,8 @@ def server_url():
   engine = EmbeddedEngine(Transformer(tiny_config(), rngs=nnx.Rngs(0)), num_slots=8,
                           max_len=4096, cache_lens=(2048, 4096), chunk_sizes=(256,),
                           prefill_rows=(4,), default_stop_token_ids=tuple(tok.stop_token_ids))
-  srv = serve.Server(engine, tok, model_path="tiny")
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  loop = asyncio.new_event_loop()
-  started = threading.Event()
-  holder = {}
-
-  def run():
-    asyncio.set_event_loop(loop)
-    holder["runner"] = web.AppRunner(srv.app())
-    loop.run_until_complete(holder["runner"].setup())
-    loop.run_until_complete(web.TCPSite(holder["runner"], "127.0.0.1", port).start())
-    started.set()
-    loop.run_forever()
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  started.wait(60)
-  yield f"http://127.0.0.1:{port}"
-  asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(30)
-  asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
-  loop.call_soon_threadsafe(loop.stop)
-  thread.join(30)
+  with BackgroundServer(serve.Server(engine, tok, model_path="tiny")) as url:
+    yield url
 
 
 def _config():

@@ -1,23 +1,19 @@
 """rao_jax.rollout.serve speaking SGLang 0.5.6's /generate shapes and the OpenAI API (driven by
 the `openai` client and raw HTTP), in-process over the real embedded engine on a tiny random
 model with the real SmolLM2 tokenizer."""
-import asyncio
 import json
-import socket
-import threading
 import time
 
 import numpy as np
 import openai
 import pytest
 import requests
-from aiohttp import web
 from flax import nnx
 
 from rao_jax.model import Transformer
 from rao_jax.rollout import serve
 from rao_jax.rollout.embedded import EmbeddedEngine
-from rao_jax.testing import tiny_config
+from rao_jax.testing import BackgroundServer, tiny_config
 
 ENGINE = dict(num_slots=4, max_len=128, cache_lens=(64, 128), chunk_sizes=(16,),
               prefill_rows=(2,))
@@ -36,29 +32,11 @@ class _Running:
                                  **ENGINE)
     self.server = serve.Server(self.engine, self.tokenizer, model_path="tiny-smollm2",
                                served_model_name="tiny")
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      self.port = s.getsockname()[1]
-    self.url = f"http://127.0.0.1:{self.port}"
-    self.loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run():
-      asyncio.set_event_loop(self.loop)
-      self.runner = web.AppRunner(self.server.app())
-      self.loop.run_until_complete(self.runner.setup())
-      self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-      started.set()
-      self.loop.run_forever()
-    self.thread = threading.Thread(target=run, daemon=True)
-    self.thread.start()
-    started.wait(60)
+    self._bg = BackgroundServer(self.server)
+    self.url = self._bg.url
 
   def close(self):
-    asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-    asyncio.run_coroutine_threadsafe(self.engine.close(), self.loop).result(30)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-    self.thread.join(30)
+    self._bg.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,18 +2,16 @@
 the base weights it started from), SGLang- and OpenAI-shaped."""
 import asyncio
 import os
-import socket
-import threading
 
 import jax
 import pytest
 import requests
-from aiohttp import web
 from flax import nnx
 
 from rao_jax import experiment as X
 from rao_jax.rollout import GenerateRequest, SamplingParams, serve
 from rao_jax.rollout.embedded import EmbeddedEngine
+from rao_jax.testing import BackgroundServer
 
 
 def _run_dir(tmp):
@@ -52,25 +50,7 @@ def test_serve_checkpoint_serves_the_trained_weights(tmp_path):
   server, _ = serve.build_server(["--checkpoint", wd, "--num-slots", "2", "--max-len", "64",
                                   "--min-cache-len", "64", "--chunk-sizes", "16",
                                   "--prefill-rows", "1"])
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  loop = asyncio.new_event_loop()
-  started = threading.Event()
-  holder = {}
-
-  def run():
-    asyncio.set_event_loop(loop)
-    holder["runner"] = web.AppRunner(server.app())
-    loop.run_until_complete(holder["runner"].setup())
-    loop.run_until_complete(web.TCPSite(holder["runner"], "127.0.0.1", port).start())
-    started.set()
-    loop.run_forever()
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  started.wait(60)
-  url = f"http://127.0.0.1:{port}"
-  try:
+  with BackgroundServer(server) as url:
     prompt = [5, 17, 300, 4000, 12, 9]
     out = requests.post(url + "/generate", json={
         "input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6,
@@ -89,8 +69,3 @@ def test_serve_checkpoint_serves_the_trained_weights(tmp_path):
     info = requests.get(url + "/get_model_info").json()
     assert info["model_path"].endswith("@step4")
     assert requests.get(url + "/v1/models").json()["data"][0]["id"] == wd
-  finally:
-    asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(30)
-    asyncio.run_coroutine_threadsafe(server.engine.close(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
