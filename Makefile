@@ -23,7 +23,7 @@ sysdeps:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap g++; fi; }
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest tests -q -ra --timeout=900
+	$(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=15
 
 demo: $(STAMP) sysdeps
 	$(BIN)/python -m experiments.demo

@@ -210,6 +210,9 @@ def main(argv):
     result["stage_minutes"][mode] = minutes
     result["training"] = result.get("training", {})
     result["training"][mode] = training_summary(os.path.join(root, mode, "rl"))
+    result.setdefault("held_out_trees", {})[mode] = {
+        st: tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
+        for st in ("eval_before", "eval_after")}
     print(json.dumps({mode: per}), flush=True)
   # Stage minutes add up across reruns; `minutes` is this invocation's wall time.
   result["minutes"] = sum(sum(m.values()) for m in result["stage_minutes"].values())
@@ -244,14 +247,51 @@ def report_from_disk(mode: str, s: dict, root: str) -> tuple[dict, dict, list[st
   return per, minutes, missing
 
 
+def tree_shapes(path: str) -> dict | None:
+  """How the held-out trees of one evaluation were built and where they succeeded: the share
+  that delegated, nodes and depth, success per depth, and success by the number of the root's
+  targets where the environment records them (`task_fields["target_items"]`, TextCraft)."""
+  if not os.path.exists(path):
+    return None
+  import collections  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import records  # pylint: disable=g-import-not-at-top
+  trees = records.load_trees_jsonl(path)
+  if not trees:
+    return None
+  by_depth, by_targets = collections.defaultdict(list), collections.defaultdict(list)
+  for t in trees:
+    for n in t.nodes:
+      by_depth[n.depth].append(n.success or 0.0)
+    targets = (t.root.task_fields or {}).get("target_items")
+    if isinstance(targets, dict):
+      by_targets[len(targets)].append(t.root.success or 0.0)
+  mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+  return {
+      "trees": len(trees),
+      "delegating_share": mean([float(len(t.nodes) > 1) for t in trees]),
+      "nodes_mean": mean([len(t.nodes) for t in trees]),
+      "depth_max_mean": mean([max(n.depth for n in t.nodes) for t in trees]),
+      "success_by_depth": {str(d): {"nodes": len(v), "success": mean(v)}
+                           for d, v in sorted(by_depth.items())},
+      "success_by_num_targets": {str(k): {"tasks": len(v), "success": mean(v)}
+                                 for k, v in sorted(by_targets.items())}}
+
+
 def training_summary(rl_dir: str) -> dict:
   """Per-step curves of the RL run (success, reward, zero-signal groups, times)."""
   from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   rows = [r for r in metrics_lib.read_metrics(os.path.join(rl_dir, "metrics.jsonl"))
           if "train/success" in r]
-  keys = ("train/success", "train/reward", "train/rl/groups_all_equal_frac",
-          "train/learner/grad_norm", "train/time/rollout_s", "train/time/learner_s",
-          "train/time/sync_s", "train/rollout/tokens_per_s", "train/learner/tokens_per_s")
+  # What a null result is diagnosed from: success by depth (does signal exist below failed
+  # roots?), the share of groups without signal, how many nodes were trained on, the policy's
+  # mean log-prob of its own tokens (its sharpness: an entropy proxy), gradient norms, times.
+  keys = ("train/success", "train/reward", "train/rl/success/depth_0",
+          "train/rl/success/depth_1", "train/rl/success/depth_2",
+          "train/rl/groups_all_equal_frac", "train/learner/batch/nodes_packed",
+          "train/rl/advantage_abs_mean", "train/learner/logp_mean", "train/learner/grad_norm",
+          "train/tree_nodes", "train/tree_depth", "train/time/rollout_s",
+          "train/time/learner_s", "train/time/sync_s", "train/rollout/tokens_per_s",
+          "train/learner/tokens_per_s")
   return {k.split("/", 1)[1]: [r.get(k) for r in rows] for k in keys}
 
 
