@@ -307,7 +307,16 @@ def plot(result: dict, root: str, path: str) -> None:
   ax0.set_xlabel("RL step")
   ax0.set_ylabel("success of the step's sampled trees")
   ax0.set_ylim(0, 1)
-  ax0.legend()
+  # Whether the policy still delegates: success can rise by giving recursion up.
+  ax2 = ax0.twinx()
+  for mode, tr in result.get("training", {}).items():
+    ns = [y for y in tr.get("tree_nodes", []) if y is not None]
+    ax2.plot(range(1, len(ns) + 1), ns, ls="--", color="gray", label=f"{mode}: nodes per tree")
+  ax2.set_ylabel("nodes per sampled tree (dashed)")
+  ax2.set_ylim(0, None)
+  h0, l0 = ax0.get_legend_handles_labels()
+  h2, l2 = ax2.get_legend_handles_labels()
+  ax0.legend(h0 + h2, l0 + l2, loc="upper left")
   labels, before, after, err_b, err_a = [], [], [], [], []
   for mode, per in result["modes"].items():
     for diff, r in per.items():
