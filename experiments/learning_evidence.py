@@ -316,7 +316,8 @@ def plot(result: dict, root: str, path: str) -> None:
   ax2.set_ylim(0, None)
   h0, l0 = ax0.get_legend_handles_labels()
   h2, l2 = ax2.get_legend_handles_labels()
-  ax0.legend(h0 + h2, l0 + l2, loc="upper left")
+  if h0 + h2:
+    ax0.legend(h0 + h2, l0 + l2, loc="upper left")
   labels, before, after, err_b, err_a = [], [], [], [], []
   for mode, per in result["modes"].items():
     for diff, r in per.items():
