@@ -301,9 +301,11 @@ def plot(result: dict, root: str, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+  colors = {}
   for mode, tr in result.get("training", {}).items():
     ys = [y for y in tr.get("success", []) if y is not None]
-    ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{mode}: train success")
+    line, = ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{mode}: train success")
+    colors[mode] = line.get_color()
   ax0.set_xlabel("RL step")
   ax0.set_ylabel("success of the step's sampled trees")
   ax0.set_ylim(0, 1)
@@ -311,7 +313,8 @@ def plot(result: dict, root: str, path: str) -> None:
   ax2 = ax0.twinx()
   for mode, tr in result.get("training", {}).items():
     ns = [y for y in tr.get("tree_nodes", []) if y is not None]
-    ax2.plot(range(1, len(ns) + 1), ns, ls="--", color="gray", label=f"{mode}: nodes per tree")
+    ax2.plot(range(1, len(ns) + 1), ns, ls="--", color=colors.get(mode, "gray"),
+             label=f"{mode}: nodes per tree")
   ax2.set_ylabel("nodes per sampled tree (dashed)")
   ax2.set_ylim(0, None)
   h0, l0 = ax0.get_legend_handles_labels()

@@ -93,3 +93,30 @@ def test_report_from_disk_marks_missing_stages(tmp_path):
                                            "per_task": {"a": 1.0, "b": 1.0}}}}))
   per, _, missing = le.report_from_disk("recursive", s, str(tmp_path))
   assert missing == ["sft", "rl"] and per["easy"]["paired"]["delta"] == 0.5
+
+
+def test_tree_shapes_count_delegation_and_success_by_depth_and_targets(tmp_path):
+  from rao_jax.agent import records as R
+  from rao_jax.learner import testing as lt
+
+  def node(nid, parent, depth, success, children=(), targets=None):
+    n = lt.make_node(nid, parent, depth, children, success, token_ids=[1, 2, 3],
+                     gen_mask=[0, 1, 1])
+    if targets is not None:
+      n.task_fields = {"target_items": targets}
+    return n
+  trees = [
+      lt.make_tree("a", "g", [node("0", None, 0, 1.0, ["0.0"], {"x": 1, "y": 2}),
+                              node("0.0", "0", 1, 0.0)]),
+      lt.make_tree("b", "g", [node("0", None, 0, 0.0, targets={"x": 1})]),
+  ]
+  path = tmp_path / "trees.jsonl"
+  R.save_trees_jsonl(str(path), trees)
+  shapes = le.tree_shapes(str(path))
+  assert shapes["trees"] == 2 and shapes["delegating_share"] == 0.5
+  assert shapes["nodes_mean"] == 1.5 and shapes["depth_max_mean"] == 0.5
+  assert shapes["success_by_depth"] == {"0": {"nodes": 2, "success": 0.5},
+                                        "1": {"nodes": 1, "success": 0.0}}
+  assert shapes["success_by_num_targets"] == {"1": {"tasks": 1, "success": 0.0},
+                                              "2": {"tasks": 1, "success": 1.0}}
+  assert le.tree_shapes(str(tmp_path / "missing.jsonl")) is None
