@@ -209,12 +209,13 @@ def make_engine(config, model, tokenizer):
   kind = config.rollout.engine
   if kind == "embedded":
     import jax  # pylint: disable=g-import-not-at-top
-    from rao_jax.rollout.embedded import EmbeddedEngine  # pylint: disable=g-import-not-at-top
+    from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig  # pylint: disable=g-import-not-at-top
     max_len = int(config.rollout.max_cache_len)
     # Each process of a multi-host run samples its own share of trees with its own stream.
     return EmbeddedEngine(model, num_slots=int(config.rollout.num_slots), max_len=max_len,
                           seed=int(config.seed) + jax.process_index(),
-                          share_prefix_min=int(config.rollout.get("share_prefix_min", 32)))
+                          share_prefix_min=int(config.rollout.get(
+                              "share_prefix_min", EngineConfig.share_prefix_min)))
   if kind == "sglang":
     from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
     urls = list(config.rollout.urls)

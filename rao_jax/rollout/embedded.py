@@ -854,15 +854,16 @@ class EmbeddedEngine(Engine):
     m = self.config.share_prefix_min
     if not m:
       return False
-    _, have = self._shared_prefix(req, None)
     cap = len(req.prompt) - 1
+    promised = 0    # the longest prefix a prefilling peer has yet to compute
     for s in self._slots:
       r = s.req
       if r is not None and not r.decoding and s.shareable:
         n = min(_common_prefix(r.prompt, req.prompt), cap)
-        if n - have >= m and len(s.tokens) < n:
-          return True
-    return False
+        if len(s.tokens) < n:
+          promised = max(promised, n)
+    # Only then the cached prefixes (most scheduler steps have no prefilling peer at all).
+    return promised >= m and promised - self._shared_prefix(req, None)[1] >= m
 
   def _admit(self):
     blocked = []
