@@ -209,7 +209,8 @@ def make_engine(config, model, tokenizer):
   kind = config.rollout.engine
   if kind == "embedded":
     import jax  # pylint: disable=g-import-not-at-top
-    from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig  # pylint: disable=g-import-not-at-top
+    from rao_jax.rollout.embedded import (  # pylint: disable=g-import-not-at-top
+        EmbeddedEngine, EngineConfig)
     max_len = int(config.rollout.max_cache_len)
     # Each process of a multi-host run samples its own share of trees with its own stream.
     return EmbeddedEngine(model, num_slots=int(config.rollout.num_slots), max_len=max_len,
