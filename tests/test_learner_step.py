@@ -272,3 +272,27 @@ def test_config_validation_names_field_and_fix():
     LearnerConfig(micro_batch_rows=4, bucket_rows=(4, 6))
   with pytest.raises(ValueError, match="clip_eps"):
     LearnerConfig(clip_eps=1.5)
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 3])
+def test_every_update_moves_the_weights_from_the_first_warmup_step(warmup_steps):
+  # optax's linear warm-up starts at 0: with it the first update of a run ran at lr 0 and left
+  # the weights exactly where they were (with warmup_steps=1, that was one RL step in six).
+  cfg = lcfg(lr=1e-3, warmup_steps=warmup_steps, total_steps=10)
+  sched = step_lib._schedule(cfg)
+  lrs = [float(sched(i)) for i in range(warmup_steps + 2)]
+  np.testing.assert_allclose(lrs[:warmup_steps],
+                             [1e-3 * (i + 1) / warmup_steps for i in range(warmup_steps)],
+                             rtol=1e-6)
+  assert lrs[warmup_steps:] == pytest.approx([1e-3, 1e-3])
+  learner = Learner(cfg, MODEL_CFG, mesh=sharding.make_mesh(1, 1, 1), params=init_params(0))
+  trees = synthetic_trees(1, 2, vocab=VOCAB, seed=3, max_len=30, mean_len=16)
+  batch, _ = learner.prepare(trees)
+  before = jax.tree.map(np.asarray, learner.params)
+  m = learner.step(batch)
+  after = jax.tree.map(np.asarray, learner.params)
+  assert m["lr"] == pytest.approx(1e-3 / warmup_steps)
+  moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after),
+                                                          jax.tree.leaves(before)))
+  assert moved > 0, "the first update left every weight unchanged"
+  learner.close()

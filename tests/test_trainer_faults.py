@@ -249,7 +249,7 @@ def test_nonfinite_update_is_skipped_counted_and_the_schedule_counts_applied_upd
     if m.get("update_applied") == 1.0:
       lrs.append(m["lr"])
   assert guard.total == 3 and guard.in_row == 2 and guard.diverged
-  # 2 updates applied: the warm-up went 0 -> lr/4, not to the trainer's step count.
+  # 2 updates applied: the warm-up went lr/4 -> 2 lr/4, not to the trainer's step count.
   assert learner.step_count == 2
-  np.testing.assert_allclose(lrs, [0.0, 1e-2 / 4], rtol=1e-6)
+  np.testing.assert_allclose(lrs, [1e-2 / 4, 2e-2 / 4], rtol=1e-6)
   learner.close()

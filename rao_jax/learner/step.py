@@ -81,8 +81,15 @@ def _schedule(cfg: LearnerConfig) -> optax.Schedule:
     after = optax.linear_schedule(cfg.lr, cfg.lr * cfg.final_lr_frac, decay_steps)
   if cfg.warmup_steps == 0:
     return after
-  warm = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
-  return optax.join_schedules([warm, after], [cfg.warmup_steps])
+  # Update i (counted from 0) of the warm-up uses lr * (i + 1) / warmup_steps: every update
+  # moves the weights. optax.linear_schedule(0, lr, n) would give the first update lr 0 (with
+  # warmup_steps=1, a one-step RL run would not train at all).
+  n = cfg.warmup_steps
+
+  def warm(count):
+    return cfg.lr * jnp.minimum((count + 1) / n, 1.0)
+
+  return optax.join_schedules([warm, after], [n])
 
 
 def _decay_mask(params):
