@@ -185,6 +185,9 @@ def learner_config(config, workdir: str, *, sft: bool = False):
   return LearnerConfig(
       loss="rao" if sft else config.rl.loss,
       lam=float(config.rl.lam),
+      advantage=str(config.rl.get("advantage", "node")),
+      train_nodes="all" if sft else str(config.rl.get("train_nodes", "all")),
+      depth_weights=bool(config.rl.get("depth_weights", True)),
       clip_eps=float(config.rl.clip_eps),
       cispo_ratio_max=float(config.rl.cispo_ratio_max),
       kl_coef=0.0 if sft else float(config.rl.kl_coef),

@@ -146,3 +146,28 @@ def test_packing_efficiency_on_realistic_trees():
   assert batch.loss_mask_BxT.sum() == expected
   assert batch.stats["row_fill"] > 0.9
   assert len({(p.row, p.start) for p in batch.placements}) == len(batch.placements)
+
+
+def test_ablation_options_on_the_worked_example():
+  trees = worked_example_trees()
+  # Per-tree GRPO: every node of a tree takes its root's advantage.
+  tree_adv = compute_rewards_and_advantages(trees, lam=0.5, advantage="tree")
+  np.testing.assert_allclose(tree_adv.advantage_N, [1.25, 1.25, 1.25, 1.25, -1.25])
+  np.testing.assert_allclose(tree_adv.reward_N, SPEC_R)   # rewards are RAO's
+  # No depth weights: w = 1 everywhere, advantages unchanged.
+  flat = compute_rewards_and_advantages(trees, lam=0.5, depth_weights=False)
+  np.testing.assert_allclose(flat.weight_N, 1.0)
+  np.testing.assert_allclose(flat.advantage_N, SPEC_A)
+  # Root-only: children keep their rewards (and shape R(root) through the bonus) but leave the
+  # learner batch; the roots are one depth, so w = 1, and N = 2.
+  roots = compute_rewards_and_advantages(trees, lam=0.5, train_nodes="root")
+  np.testing.assert_allclose(roots.weight_N, [1, 0, 0, 0, 1])
+  np.testing.assert_allclose(roots.reward_N, SPEC_R)
+  assert roots.num_train_nodes == 2 and roots.num_nodes == 5
+  batch = pack_trees(trees, roots, row_len=32, bucket_rows=(1, 2, 4, 8))
+  assert float(batch.normalizer) == 2.0
+  assert sorted(p.node_id for p in batch.placements) == ["r1", "r2"]
+  with pytest.raises(ValueError, match="advantage='leaf'"):
+    compute_rewards_and_advantages(trees, advantage="leaf")
+  with pytest.raises(ValueError, match="train_nodes='kids'"):
+    compute_rewards_and_advantages(trees, train_nodes="kids")

@@ -62,6 +62,10 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.group_size = 8                # K trees per task (leave-one-out baseline needs K >= 2)
   c.rl.tasks_per_step = 4            # root tasks per RL step
   c.rl.lam = 0.5                     # delegation bonus lambda of RAO_SPEC
+  # The paper's credit-assignment ablations (RAO is the default of each):
+  c.rl.advantage = "node"            # "node": A(v) = R(v) - b_k | "tree": root's A for all
+  c.rl.train_nodes = "all"           # "all" nodes in the loss | "root": roots only
+  c.rl.depth_weights = True          # inverse-frequency depth weights | False: w = 1
   c.rl.loss = "rao"                  # rao | token_sum | ppo_clip | cispo
   c.rl.clip_eps = 0.2                # ppo_clip epsilon
   c.rl.cispo_ratio_max = 5.0         # cispo: the importance ratio is clipped to [0, this]

@@ -21,6 +21,10 @@ class LearnerConfig:
     loss: registered loss name (`rao_jax.learner.losses.LOSSES`): "rao" (RAO_SPEC per-node
       token mean, the default), "token_sum" (constant normalizer), "ppo_clip", "cispo".
     lam: delegation bonus lambda >= 0 (RAO_SPEC), used by `Learner.prepare`.
+    advantage: "node" (RAO's A(v) = R(v) - b_k) or "tree" (every node gets its root's
+      advantage; an ablation), used by `Learner.prepare`.
+    train_nodes: "all" (RAO) or "root" (children leave the learner batch; an ablation).
+    depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
     clip_eps: PPO clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].
     cispo_ratio_max: CISPO clips the importance ratio to [0, cispo_ratio_max] (absolute bound;
       the RAO authors' code uses 5.0).
@@ -59,6 +63,9 @@ class LearnerConfig:
   """
   loss: str = "rao"
   lam: float = 0.5
+  advantage: str = "node"
+  train_nodes: str = "all"
+  depth_weights: bool = True
   clip_eps: float = 0.2
   cispo_ratio_max: float = 5.0
   kl_coef: float = 0.0
@@ -92,6 +99,15 @@ class LearnerConfig:
       v = getattr(self, name)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise _bad(name, v, "must be a finite number >= 0.")
+    from rao_jax.learner import rewards  # local like losses above
+    if self.advantage not in rewards.ADVANTAGES:
+      raise _bad("advantage", self.advantage, f"choose one of {rewards.ADVANTAGES} (\"node\" "
+                 "is RAO).")
+    if self.train_nodes not in rewards.TRAIN_NODES:
+      raise _bad("train_nodes", self.train_nodes, f"choose one of {rewards.TRAIN_NODES} (\"all\" "
+                 "is RAO).")
+    if not isinstance(self.depth_weights, bool):
+      raise _bad("depth_weights", self.depth_weights, "must be True or False.")
     if not 0 < self.clip_eps < 1:
       raise _bad("clip_eps", self.clip_eps, "must be in (0, 1), e.g. 0.2.")
     if not self.cispo_ratio_max > 0:

@@ -160,6 +160,8 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
     if gen[1:].sum() == 0:
       skipped_empty += 1   # nothing generated: no term of any loss involves this node
       continue
+    if adv.train_N is not None and not adv.train_N[i]:
+      continue   # not a term of the loss (root-only training)
     if drop_zero_advantage and adv.advantage_N[i] == 0:
       skipped_zero += 1
       continue
@@ -223,7 +225,7 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
     real_tokens += length
     loss_tokens += n_gen
 
-  normalizer = float(adv.num_nodes) if spec.normalization == "node_mean" else float(
+  normalizer = float(adv.num_train_nodes) if spec.normalization == "node_mean" else float(
       token_sum_normalizer)
   stats = {
       "packing_efficiency": real_tokens / (num_rows * row_len),

@@ -22,6 +22,15 @@ import numpy as np
 
 SOURCES = ("verifier", "judge", "proxy")
 
+# The paper's ablations of the credit assignment, as options (RAO is the first of each):
+#   advantage "node": A(v) = R(v) - b_k (RAO);  "tree": every node gets its root's advantage
+#     A(root_k) = R(root_k) - b_k (plain per-tree GRPO: a child is credited with the whole tree).
+#   train_nodes "all": every node is a term of the loss (RAO);  "root": only the roots are
+#     (children still shape R(root) through the delegation bonus and s(root)).
+#   depth_weights True: w_d = N / (D' n_d) (RAO);  False: w = 1 for every node.
+ADVANTAGES = ("node", "tree")
+TRAIN_NODES = ("all", "root")
+
 
 @dataclasses.dataclass(frozen=True)
 class Advantages:
@@ -37,7 +46,8 @@ class Advantages:
     reward_N: R(v).
     baseline_N: b_k of the node's tree.
     advantage_N: A(v) = R(v) - b_k.
-    weight_N: w_{d(v)}.
+    weight_N: w_{d(v)} (0 for nodes that are not trained, see `train_N`).
+    train_N: whether the node is a term of the loss (all nodes, or the roots only).
     stats: flat dict of logging scalars (see `compute_rewards_and_advantages`).
   """
   tree_ids: tuple[str, ...]
@@ -51,6 +61,12 @@ class Advantages:
   advantage_N: np.ndarray
   weight_N: np.ndarray
   stats: dict[str, float]
+  train_N: np.ndarray | None = None
+
+  @property
+  def num_train_nodes(self) -> int:
+    """N of RAO_SPEC's loss: the nodes in the learner batch (the normalizer's count)."""
+    return self.num_nodes if self.train_N is None else int(np.sum(self.train_N))
 
   @property
   def num_nodes(self) -> int:
@@ -113,7 +129,9 @@ def _resolve_tree(tree) -> tuple[list[float], list[str], list[float], list[int]]
   return succ, src, depth, root_s
 
 
-def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Advantages:
+def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
+                                   advantage: str = "node", train_nodes: str = "all",
+                                   depth_weights: bool = True) -> Advantages:
   """Computes R(v), the leave-one-out advantage A(v) and depth weights w_d for a batch of trees.
 
   Args:
@@ -121,6 +139,10 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Ad
       parent_id, depth, children, success, success_source). The K trees of one root task share
       group_id; every group needs K >= 2.
     lam: the delegation bonus lambda >= 0 of RAO_SPEC.
+    advantage: "node" (RAO: A(v) = R(v) - b_k) or "tree" (every node gets its root's advantage:
+      per-tree GRPO, an ablation).
+    train_nodes: "all" (RAO) or "root" (children leave the learner batch: an ablation).
+    depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
 
   Returns:
     Advantages, whose `stats` holds (flat keys, float values): `num_trees`, `num_groups`,
@@ -133,6 +155,10 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Ad
     ValueError: a group with fewer than 2 trees, a success outside [0, 1], an unscored root,
       an unknown success source, a child id missing from its tree, or lam < 0.
   """
+  if advantage not in ADVANTAGES:
+    raise ValueError(f"advantage={advantage!r}: use one of {ADVANTAGES} (\"node\" is RAO).")
+  if train_nodes not in TRAIN_NODES:
+    raise ValueError(f"train_nodes={train_nodes!r}: use one of {TRAIN_NODES} (\"all\" is RAO).")
   if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
     raise ValueError(f"lam={lam!r}: the delegation bonus lambda must be a finite number >= 0 "
                      "(RAO_SPEC uses 0.5).")
@@ -194,12 +220,24 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Ad
   reward_N = np.asarray(rewards, np.float64)
   baseline_N = baseline_tree[tree_index_N]
   advantage_N = reward_N - baseline_N
+  if advantage == "tree":
+    first = {}
+    for i, k in enumerate(tree_index):   # a tree's root is its first node
+      first.setdefault(k, i)
+    root_index_N = np.asarray([first[k] for k in tree_index], np.int64)
+    advantage_N = advantage_N[root_index_N]
+  train_N = np.ones(len(depth_N), bool) if train_nodes == "all" else depth_N == 0
 
-  # Depth-level inverse-frequency weights over the whole batch: w_d = N / (D' * n_d).
+  # Depth-level inverse-frequency weights over the learner batch (the trained nodes):
+  # w_d = N / (D' * n_d).
   n = len(depth_N)
   levels, counts = np.unique(depth_N, return_counts=True)
-  w_of_depth = {int(d): n / (len(levels) * c) for d, c in zip(levels, counts)}
-  weight_N = np.asarray([w_of_depth[int(d)] for d in depth_N], np.float64)
+  t_levels, t_counts = np.unique(depth_N[train_N], return_counts=True)
+  n_train = int(train_N.sum())
+  w_of_depth = {int(d): (n_train / (len(t_levels) * c) if depth_weights else 1.0)
+                for d, c in zip(t_levels, t_counts)}
+  weight_N = np.asarray([w_of_depth.get(int(d), 0.0) if keep else 0.0
+                         for d, keep in zip(depth_N, train_N)], np.float64)
   success_N = np.asarray(succs, np.float64)
 
   stats: dict[str, float] = {
@@ -217,11 +255,12 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5) -> Ad
     stats[f"nodes/depth_{d}"] = float(c)
     stats[f"reward/depth_{d}"] = float(reward_N[sel].mean())
     stats[f"success/depth_{d}"] = float(success_N[sel].mean())
-    stats[f"weight/depth_{d}"] = float(w_of_depth[int(d)])
+    stats[f"weight/depth_{d}"] = float(w_of_depth.get(int(d), 0.0))
   for s in SOURCES:
     stats[f"source_frac/{s}"] = sum(1 for x in sources if x == s) / n
 
   return Advantages(
       tree_ids=tuple(tree_ids), node_ids=tuple(node_ids), tree_index_N=tree_index_N,
       depth_N=depth_N, success_N=success_N, source_N=tuple(sources), reward_N=reward_N,
-      baseline_N=baseline_N, advantage_N=advantage_N, weight_N=weight_N, stats=stats)
+      baseline_N=baseline_N, advantage_N=advantage_N, weight_N=weight_N, stats=stats,
+      train_N=train_N)

@@ -371,7 +371,9 @@ class Learner:
 
     Nodes with zero advantage are left out when no KL penalty is on (they add nothing).
     """
-    adv = compute_rewards_and_advantages(trees, lam=self.cfg.lam)
+    adv = compute_rewards_and_advantages(trees, lam=self.cfg.lam, advantage=self.cfg.advantage,
+                                         train_nodes=self.cfg.train_nodes,
+                                         depth_weights=self.cfg.depth_weights)
     batch = pack_trees(trees, adv, self.cfg.row_len, self.cfg.bucket_rows, loss=self.cfg.loss,
                        token_sum_normalizer=self.cfg.token_sum_normalizer,
                        drop_zero_advantage=self.cfg.kl_coef == 0)
