@@ -7,7 +7,7 @@ setup(
     description="Recursive Agent Optimization (RAO): RL for recursive LLM agents, in JAX",
     python_requires=">=3.11",
     packages=find_packages(include=["rao_jax", "rao_jax.*", "experiments", "experiments.*"]),
-    package_data={"rao_jax": ["envs/data/**/*", "envs/data/*", "model/csrc/*.cc", "model/csrc/*.h"]},
+    package_data={"rao_jax": ["envs/data/**/*", "envs/data/*", "kernels/csrc/*.cc", "kernels/csrc/*.h"]},
     include_package_data=True,
     install_requires=[
         "jax>=0.7",
@@ -28,7 +28,7 @@ setup(
         "tensorboardX>=2.6",
         "bm25s>=0.2",
         "pyseccomp>=0.1.2",
-        # MKL for the model's float32 products and attention on x86 CPUs (rao_jax/model/cpu_kernels.py).
+        # MKL for the model's float32 products and attention on x86 CPUs (rao_jax/kernels/mkl.py).
         "mkl>=2024; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
