@@ -16,7 +16,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 # bubblewrap is the outer jail of the agents' REPL sandbox (sandbox/ and rao_jax/sandbox_host/);
-# g++ builds the MKL kernels of rao_jax/model/cpu_kernels.py on first use.
+# g++ builds the MKL kernels of rao_jax/kernels/mkl.py on first use.
 sysdeps:
 	@{ command -v bwrap && command -v g++; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap g++; \

@@ -1,4 +1,4 @@
-"""The MKL kernels through XLA FFI (rao_jax/model/cpu_kernels.py) against XLA:CPU's own ops.
+"""The MKL kernels through XLA FFI (rao_jax/kernels/mkl.py) against XLA:CPU's own ops.
 
 Three measurements in one process, each alternating the two sides so that machine drift hits
 both:
@@ -6,9 +6,9 @@ both:
   products   the SmolLM2 4 x 512 training step's product shapes alone, with the transposes the
              step uses (GF/s per side; ``matmul.dense``)
   attention  one layer's causal attention forward+backward at the step's shape
-             (``cpu_attention.causal_attention`` against the model's XLA version)
-  step       the whole forward+backward step of bench_model.py, traced once with
-             RAO_JAX_CPU_KERNELS=xla and once with mkl (same weights, same batch)
+             (``mkl_attention.causal_attention`` against the model's XLA version)
+  step       the whole forward+backward step of bench_model.py, for a model with
+             ModelConfig.kernels="xla" and one with "mkl" (same weights, same batch)
 
 ``*_speedup`` is XLA's median time over MKL's (above 1: MKL faster). Progress goes to stderr; the
 last stdout line is JSON.
@@ -51,7 +51,8 @@ def _alternate(fns, args, rounds, reps):
 
 
 def _attention(args, result):
-  from rao_jax.model import cpu_attention, cpu_kernels, transformer
+  from rao_jax.kernels import mkl
+  from rao_jax.model import transformer
   B, T, H, K, h = args.batch, args.seq, 9, 3, 64   # SmolLM2-135M's heads
   rng = np.random.default_rng(0)
   q, k, v, w = (jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -59,15 +60,14 @@ def _attention(args, result):
   seg = jnp.ones((B, T), jnp.int32)
   fns = {}
   for side in ("xla", "mkl"):
-    cpu_kernels.select(side)
     cfg = transformer.ModelConfig(vocab_size=8, d_model=H * h, n_layers=1, n_heads=H,
-                                  n_kv_heads=K, head_dim=h, mlp_dim=8, dtype="float32")
+                                  n_kv_heads=K, head_dim=h, mlp_dim=8, dtype="float32",
+                                  kernels=side)
     attend = transformer._self_attention(cfg, seg)   # what the model's block calls
     loss = lambda q, k, v, attend=attend: jnp.sum(attend(q, k, v) * w)   # noqa: E731
     lowered = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, k, v)
-    assert (cpu_kernels.ATTENTION_FWD in lowered.as_text()) == (side == "mkl")
+    assert (mkl.ATTENTION_FWD in lowered.as_text()) == (side == "mkl")
     fns[side] = lowered.compile()
-  cpu_kernels.select("auto")
   got, want = fns["mkl"](q, k, v), fns["xla"](q, k, v)
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g_, w_, rtol=1e-3, atol=1e-3 * float(jnp.abs(w_).max()))
@@ -86,18 +86,19 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--reps", type=int, default=5, help="timed calls per product per round")
   args = parser.parse_args()
-  from rao_jax.model import cpu_kernels, load_model, matmul
+  from rao_jax.kernels import matmul, mkl
+  from rao_jax.model import load_model
   result = {"benchmark": "cpu_kernels_mkl_vs_xla", "batch": args.batch, "seq": args.seq,
-            "cpu": cpu_kernels.cpuinfo("model name")}
+            "cpu": mkl.cpuinfo("model name")}
   rng = np.random.default_rng(0)
   for m, k, n, ta, tb in SHAPES:
     a = jnp.asarray(rng.standard_normal((k, m) if ta else (m, k)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((n, k) if tb else (k, n)), jnp.float32)
     fns = {}
     for side in ("xla", "mkl"):
-      cpu_kernels.select(side)   # compiled now, so each side keeps its own choice
-      lowered = jax.jit(lambda a, b, ta=ta, tb=tb: matmul.dense(a, b, ta, tb)).lower(a, b)
-      assert (cpu_kernels.GEMM in lowered.as_text()) == (side == "mkl")
+      lowered = jax.jit(lambda a, b, ta=ta, tb=tb, side=side: matmul.dense(
+          a, b, ta, tb, kernels=side)).lower(a, b)
+      assert (mkl.GEMM in lowered.as_text()) == (side == "mkl")
       fns[side] = lowered.compile()
     np.testing.assert_allclose(fns["mkl"](a, b), fns["xla"](a, b), rtol=1e-4, atol=1e-3)
     med = _alternate(fns, (a, b), args.rounds, args.reps)
@@ -106,15 +107,13 @@ def main():
     log(f"{name}: xla {gf['xla']:.0f} GF/s, mkl {gf['mkl']:.0f} GF/s")
     result[f"{name}_gflops"] = {s: round(v, 1) for s, v in gf.items()}
   _attention(args, result)
-  model = load_model("smollm2-135m", dtype="float32")
-  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size,
-                                             (args.batch, args.seq + 1))
   steps, losses = {}, {}
   for side in ("xla", "mkl"):
-    cpu_kernels.select(side)
+    model = load_model("smollm2-135m", dtype="float32", kernels=side)
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size,
+                                               (args.batch, args.seq + 1))
     steps[side] = make_ours(model, tokens)
-    losses[side] = float(steps[side]()[0])   # compiles under this side's choice
-  cpu_kernels.select("auto")
+    losses[side] = float(steps[side]()[0])
   if abs(losses["mkl"] - losses["xla"]) > 1e-4 * abs(losses["xla"]):
     raise SystemExit(f"losses differ: {losses}")
   times = {"xla": [], "mkl": []}

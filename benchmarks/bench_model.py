@@ -12,7 +12,7 @@ PyTorch step is 20-25% slower than after one of ours (both frameworks share the 
 the memory), so mixing them would measure the switch, not either side. ``ratio`` compares the
 steady steps; ``ratio_after_switch`` the first ones. Medians after warm-up. ``cpu_kernels``
 says which kernels ran our float32 products and attention (``mkl`` or ``xla``:
-rao_jax/model/cpu_kernels.py; set ``RAO_JAX_CPU_KERNELS=xla`` to time XLA's own), ``cpu`` the
+rao_jax/kernels/mkl.py; ``--kernels=xla`` times XLA's own), ``cpu`` the
 CPU model they were chosen for. ``*_faults_max``: the most page faults one steady step took;
 a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
 rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last
@@ -131,19 +131,22 @@ def main():
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--quick", action="store_true", help="batch 2 x 256, 3 steps")
   parser.add_argument("--forward", action="store_true", help="also time forward-only steps")
+  parser.add_argument("--kernels", default="auto", choices=("auto", "mkl", "xla"),
+                      help="ModelConfig.kernels: our CPU products and attention")
   args = parser.parse_args()
   if args.quick:
     args.batch, args.seq, args.steps, args.warmup, args.rounds = 2, 256, 2, 1, 1
   import torch
   from rao_jax import host_memory
-  from rao_jax.model import cpu_kernels, load_model
+  from rao_jax.kernels import mkl
+  from rao_jax.model import load_model
   # Importing rao_jax no longer changes malloc (host_memory.py): a CPU benchmark asks for it,
   # before JAX starts its backends, or every step page-faults its temporaries afresh.
   host_memory.keep_freed_memory()
   log(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), "
       f"torch {torch.__version__} with {torch.get_num_threads()} threads")
   t0 = time.time()
-  model = load_model("smollm2-135m", dtype="float32")
+  model = load_model("smollm2-135m", dtype="float32", kernels=args.kernels)
   log(f"loaded SmolLM2-135M in {time.time() - t0:.1f}s")
   tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size,
                                              (args.batch, args.seq + 1))
@@ -190,8 +193,8 @@ def main():
             "ratio_after_switch": round(statistics.median(s_peer) / statistics.median(s_ours), 3),
             "loss_ours": loss_ours, "loss_peer": loss_peer,
             "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
-            "host_malloc_reuse": host_memory.in_effect(), "cpu_kernels": cpu_kernels.backend(),
-            "cpu": cpu_kernels.cpuinfo("model name"), **result}
+            "host_malloc_reuse": host_memory.in_effect(),
+            "cpu_kernels": mkl.backend(args.kernels), "cpu": mkl.cpuinfo("model name"), **result}
   print(json.dumps(result))
 
 

@@ -80,7 +80,7 @@ def main():
   args = ap.parse_args()
   rounds = args.rounds or (1 if args.quick else 2)
   logging.basicConfig(level=logging.WARNING)
-  from rao_jax.model import cpu_kernels
+  from rao_jax.kernels import mkl
   root = tempfile.mkdtemp(prefix="bench_overlap_")
   model_dir = _tiny_model_dir(root) if args.quick else None
   per_mode = {False: [], True: []}
@@ -102,7 +102,7 @@ def main():
       "speedup": round(seq / max(ovl, 1e-9), 3),
       "per_round": {"sequential": [round(x, 3) for x in per_mode[False]],
                     "overlap": [round(x, 3) for x in per_mode[True]]},
-      "cpu": cpu_kernels.cpuinfo("model name"), "cores": os.cpu_count(),
+      "cpu": mkl.cpuinfo("model name"), "cores": os.cpu_count(),
       "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}))
 
 

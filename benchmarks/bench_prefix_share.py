@@ -66,7 +66,8 @@ def main():
   args = ap.parse_args()
   from rao_jax import host_memory
   host_memory.keep_freed_memory()
-  from rao_jax.model import cpu_kernels, load_pretrained
+  from rao_jax.kernels import mkl
+  from rao_jax.model import load_pretrained
   from rao_jax.rollout.embedded import EmbeddedEngine
 
   say("loading SmolLM2-135M (float32)")
@@ -89,7 +90,7 @@ def main():
   off, on = statistics.median(times[0]), statistics.median(times[32])
   nodes = ROOTS * (1 + CHILDREN)
   print(json.dumps({
-      "bench": "prefix_share", "cpu": cpu_kernels.cpuinfo("model name"),
+      "bench": "prefix_share", "cpu": mkl.cpuinfo("model name"),
       "workload": f"{ROOTS} roots x {CHILDREN} children, {TURNS} turns, head {HEAD}, "
                   f"goal {GOAL}, {NEW} new + {OBS} obs per turn, greedy, sessions",
       "nodes": nodes, "rounds": args.rounds,

@@ -195,8 +195,8 @@ def main(argv):
   result = {"scale": _SCALE.value, "settings": {k: list(v) if isinstance(v, tuple) else v
                                                 for k, v in s.items()}, "modes": {},
             "stage_minutes": {}}
-  from rao_jax.model import cpu_kernels  # pylint: disable=g-import-not-at-top
-  result["cpu"] = cpu_kernels.cpuinfo("model name")
+  from rao_jax.kernels import mkl  # pylint: disable=g-import-not-at-top
+  result["cpu"] = mkl.cpuinfo("model name")
   result["complete"] = True
   for mode in _MODES.value:
     if _REPORT_ONLY.value:

@@ -15,13 +15,10 @@ import pytest  # noqa: E402  (after the environment above)
 
 @pytest.fixture
 def fresh_kernels(monkeypatch):
-  """A clean choice of CPU kernels (rao_jax.model.cpu_kernels), restored afterwards: the choice
-  is cached per process and read from RAO_JAX_CPU_KERNELS."""
-  from rao_jax.model import cpu_kernels
-  # setenv, not delenv: monkeypatch then restores the variable even after cpu_kernels.select()
-  # wrote os.environ directly (a delenv of an unset variable records nothing to undo).
-  monkeypatch.setenv(cpu_kernels.ENV, "auto")
-  cpu_kernels.ready.cache_clear()
+  """A clean MKL kernel state (rao_jax.kernels.mkl), restored afterwards: whether the kernels
+  build and load, and what each ModelConfig.kernels choice resolves to, is cached per process."""
+  from rao_jax.kernels import mkl
+  mkl.reset()
   yield monkeypatch
   monkeypatch.undo()
-  cpu_kernels.ready.cache_clear()
+  mkl.reset()

@@ -1,6 +1,6 @@
-"""The TPU and GPU attention kernels of rao_jax.model.kernels, run on this CPU in Pallas interpret
-mode, against XLA's reference attention: values and gradients, causal, several segments per
-row, padding, grouped-query heads; per device under a mesh; and the one entry point.
+"""The TPU and GPU attention kernels of rao_jax.kernels.attention, run on this CPU in Pallas
+interpret mode, against XLA's reference attention: values and gradients, causal, several
+segments per row, padding, grouped-query heads; per device under a mesh; and the one entry point.
 """
 import functools
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rao_jax.model import kernels, sharding
+from rao_jax.kernels import attention
+from rao_jax.model import sharding
 from rao_jax.model.transformer import make_packed_inputs
 
 pytestmark = pytest.mark.slow
@@ -20,8 +21,8 @@ B, T, H, K, h = 2, 128, 4, 2, 16
 LENGTHS = [[50, 40], [30, 60, 38]]
 
 KERNELS = {
-    "tpu_splash": functools.partial(kernels.tpu_splash_attention, interpret=True),
-    "gpu_flash": functools.partial(kernels.gpu_flash_attention, interpret=True),
+    "tpu_splash": functools.partial(attention.tpu_splash_attention, interpret=True),
+    "gpu_flash": functools.partial(attention.gpu_flash_attention, interpret=True),
 }
 
 
@@ -44,7 +45,7 @@ def _value_and_grads(fn, q, k, v, seg, r):
 @pytest.fixture(scope="module")
 def reference():
   q, k, v, seg, r = _inputs()
-  return _value_and_grads(jax.jit(kernels.xla_causal_attention), q, k, v, seg, r)
+  return _value_and_grads(jax.jit(attention.xla_causal_attention), q, k, v, seg, r)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -61,11 +62,11 @@ def test_reference_is_causal_and_segmented():
   """What the kernels are compared with: an output depends only on earlier keys of its own
   segment (a change to a later key, or to another segment, leaves it unchanged)."""
   q, k, v, seg, _ = _inputs()
-  out = kernels.xla_causal_attention(q, k, v, seg)
+  out = attention.xla_causal_attention(q, k, v, seg)
   # Row 1: segment 2 spans [30, 90). Perturb key/value 70: outputs < 70, and those outside
   # the segment, must not move; those in [70, 90) must.
   k2, v2 = k.at[1, 70].add(1.0), v.at[1, 70].add(1.0)
-  out2 = kernels.xla_causal_attention(q, k2, v2, seg)
+  out2 = attention.xla_causal_attention(q, k2, v2, seg)
   moved = np.abs(np.asarray(out2 - out)[1]).max(axis=(1, 2)) > 1e-6
   assert not moved[:70].any() and moved[70:90].all() and not moved[90:].any()
 
@@ -75,8 +76,8 @@ def test_kernel_per_device_under_a_mesh(name):
   """Under ``jax.set_mesh`` the kernel runs per device on whole rows and local kv heads."""
   mesh = sharding.make_mesh(2, 1, 2)
   q, k, v, seg, r = _inputs(b=2, seed=1)
-  want = jax.jit(kernels.xla_causal_attention)(q, k, v, seg)
-  fn = jax.jit(lambda *a: kernels._sharded(KERNELS[name], *a))   # pylint: disable=protected-access
+  want = jax.jit(attention.xla_causal_attention)(q, k, v, seg)
+  fn = jax.jit(lambda *a: attention._sharded(KERNELS[name], *a))   # pylint: disable=protected-access
   with jax.set_mesh(mesh):
     got = fn(q, k, v, seg)
     text = fn.lower(q, k, v, seg).as_text()
@@ -86,7 +87,7 @@ def test_kernel_per_device_under_a_mesh(name):
 
 def test_entry_point_on_cpu_matches_reference(reference):
   q, k, v, seg, r = _inputs()
-  out, grads = _value_and_grads(jax.jit(kernels.causal_attention), q, k, v, seg, r)
+  out, grads = _value_and_grads(jax.jit(attention.causal_attention), q, k, v, seg, r)
   np.testing.assert_allclose(out, reference[0], atol=2e-5, rtol=2e-5)
   for got, want in zip(grads, reference[1]):
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
@@ -97,7 +98,7 @@ def test_entry_point_keeps_xla_where_a_kernel_cannot_run():
   neither lowering holds a Pallas kernel: XLA's attention runs there."""
   q, k, v, seg, _ = _inputs()
   q, k, v, seg = q[:, :96], k[:, :96], v[:, :96], seg[:, :96]
-  traced = jax.jit(kernels.causal_attention).trace(q, k, v, seg)
+  traced = jax.jit(attention.causal_attention).trace(q, k, v, seg)
   for platform in ("tpu", "cuda"):
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert "tpu_custom_call" not in text and "triton" not in text, platform
@@ -106,7 +107,7 @@ def test_entry_point_keeps_xla_where_a_kernel_cannot_run():
 def test_entry_point_rejects_mismatched_shapes():
   q, k, v, seg, _ = _inputs()
   with pytest.raises(ValueError, match="do not fit"):
-    kernels.causal_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2),
+    attention.causal_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2),
                              seg)
   with pytest.raises(ValueError, match="segment ids"):
-    kernels.causal_attention(q, k, v, seg[:, :64])
+    attention.causal_attention(q, k, v, seg[:, :64])

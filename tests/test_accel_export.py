@@ -16,7 +16,7 @@ from flax import nnx
 from rao_jax.learner import LearnerConfig
 from rao_jax.learner import step as step_lib
 from rao_jax.learner.testing import tiny_model_config
-from rao_jax.model import cpu_kernels
+from rao_jax.kernels import mkl
 from rao_jax.model.transformer import Transformer
 from rao_jax.rollout import embedded
 
@@ -34,28 +34,17 @@ def _targets(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def mkl_on_host():
-  """The MKL kernels enabled on this host (any x86 CPU with them built), so a CPU-only custom
-  call is really in the traced program; restored afterwards."""
-  import os
-  old = os.environ.get(cpu_kernels.ENV)
+  """The kernel choice that puts the MKL kernels into this host's traces where they can be built
+  (any x86 CPU), so a CPU-only custom call is really in the traced program; else "xla"."""
   try:
-    cpu_kernels.select("mkl")
-    available = cpu_kernels.ready()
-  except cpu_kernels.CpuKernelsUnavailable:
-    available = False
-  if not available:
-    cpu_kernels.select("xla")
-  yield available
-  if old is None:
-    os.environ.pop(cpu_kernels.ENV, None)
-  else:
-    os.environ[cpu_kernels.ENV] = old
-  cpu_kernels.ready.cache_clear()
+    return "mkl" if mkl.available("mkl") else "xla"
+  except mkl.CpuKernelsUnavailable:
+    return "xla"
 
 
-def _train_step_args(dtype):
+def _train_step_args(dtype, kernels):
   model_cfg = tiny_model_config(dtype=dtype, vocab_size=256, d_model=64, head_dim=16,
-                                mlp_dim=128)
+                                mlp_dim=128, kernels=kernels)
   cfg = LearnerConfig(row_len=T, micro_batch_rows=2, bucket_rows=(2,), lr=1e-5)
   graphdef, params, _ = nnx.split(
       nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
@@ -73,9 +62,9 @@ def _train_step_args(dtype):
   return fn, (state, batch)
 
 
-def _engine_programs(dtype):
+def _engine_programs(dtype, kernels):
   model_cfg = tiny_model_config(dtype=dtype, vocab_size=256, d_model=64, head_dim=16,
-                                mlp_dim=128)
+                                mlp_dim=128, kernels=kernels)
   make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))
   fns = nnx.eval_shape(make).inference_fns()
   params = jax.eval_shape(lambda: make().inference_params())
@@ -104,14 +93,14 @@ def _check_export(fn, args, platform):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_train_step_exports_for_gpu_and_tpu_with_their_kernels(mkl_on_host, dtype):
-  fn, args = _train_step_args(dtype)
+  fn, args = _train_step_args(dtype, mkl_on_host)
   for platform, kernel in PLATFORM_KERNELS.items():
     targets = _check_export(fn, args, platform)
     assert kernel in targets, (platform, targets)   # the platform's flash attention
   # The same trace lowered for this CPU holds the MKL kernels (float32) and no GPU/TPU kernel.
   cpu_text = fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
   cpu_targets = _targets(cpu_text)
-  if mkl_on_host and dtype == "float32":
+  if mkl_on_host == "mkl" and dtype == "float32":
     assert {"rao_mkl_gemm", "rao_mkl_attention_fwd", "rao_mkl_attention_bwd"} <= cpu_targets
   else:
     assert not any(t.startswith("rao_mkl") for t in cpu_targets), cpu_targets
@@ -121,6 +110,6 @@ def test_train_step_exports_for_gpu_and_tpu_with_their_kernels(mkl_on_host, dtyp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["prefill", "decode"])
 def test_engine_programs_export_for_gpu_and_tpu(mkl_on_host, name, dtype):
-  fn, args = _engine_programs(dtype)[name]
+  fn, args = _engine_programs(dtype, mkl_on_host)[name]
   for platform in PLATFORM_KERNELS:
     _check_export(fn, args, platform)

@@ -8,7 +8,6 @@ from flax import nnx
 from rao_jax.model import (ModelConfig, Transformer, make_packed_inputs, token_logprob_sum,
                            token_logprobs)
 from rao_jax.model.config import RopeScaling, UnsupportedModelError, rope_inv_freq
-from rao_jax.model import cpu_kernels
 from rao_jax.testing import SMOLLM2_135M_CONFIG, smollm2_config, tiny_config
 
 # Architecture variants: SmolLM2 (Llama, tied), Qwen2 (qkv biases, untied), Qwen3 (QK-norm),
@@ -269,10 +268,10 @@ def test_token_logprob_sum_equals_token_logprobs_with_gradients(variant):
   np.testing.assert_allclose(logp, ref_fn(model, 1.0)[0][1], rtol=1e-5, atol=1e-5)
 
 
-def test_blocked_causal_attention_equals_one_block(fresh_kernels):
+def test_blocked_causal_attention_equals_one_block():
   """Query blocks that skip the masked upper triangle give the same outputs and gradients."""
-  cpu_kernels.select("xla")   # XLA's blocked attention (MKL's kernel has no attention_block)
-  one = _model("qwen3", attention_block=64)
+  # XLA's blocked attention (MKL's kernel has no attention_block).
+  one = _model("qwen3", attention_block=64, kernels="xla")
   T = 11
   positions, segments = make_packed_inputs([[4, 7], [11]], T)   # packed rows, ragged blocks
   pos, seg, tokens = jnp.asarray(positions), jnp.asarray(segments), _tokens(2, T)

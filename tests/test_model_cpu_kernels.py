@@ -1,26 +1,24 @@
-"""rao_jax.model.cpu_kernels (building and choosing the MKL kernels) and cpu_attention."""
+"""rao_jax.kernels.mkl (building and choosing the MKL kernels), mkl_attention, and the static
+ModelConfig.kernels choice that picks them per model."""
 import platform
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from rao_jax.model import cpu_attention, cpu_kernels, matmul, transformer
+from rao_jax.kernels import matmul, mkl, mkl_attention
+from rao_jax.model import ModelConfig, Transformer, transformer
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
 needs_mkl = pytest.mark.skipif(not X86_LINUX, reason="MKL kernels are x86-64 Linux only")
+# The kernels under test on any x86-64 Linux CPU ("auto" takes them on Intel only).
+MODE = "mkl" if X86_LINUX else "xla"
 
 
 def _hlo(fn, *args):
   return jax.jit(fn).lower(*args).as_text()
-
-
-@pytest.fixture(autouse=True)
-def mkl_on_x86(fresh_kernels):
-  """The kernels under test on any x86-64 Linux CPU (``auto`` takes them on Intel only)."""
-  if X86_LINUX:
-    fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
 
 
 def test_auto_takes_mkl_on_intel_only(fresh_kernels):
@@ -28,62 +26,76 @@ def test_auto_takes_mkl_on_intel_only(fresh_kernels):
   # use the kernels: a CI machine that silently fell back to XLA would pass every other test.
   if not X86_LINUX:
     pytest.skip("MKL kernels are x86-64 Linux only")
-  fresh_kernels.setenv(cpu_kernels.ENV, "auto")
-  assert cpu_kernels.backend() == ("mkl" if cpu_kernels._cpu_vendor() == "GenuineIntel" else "xla")
+  assert mkl.backend("auto") == ("mkl" if mkl._cpu_vendor() == "GenuineIntel" else "xla")
   for vendor, want in (("GenuineIntel", "mkl"), ("AuthenticAMD", "xla"), ("", "xla")):
-    fresh_kernels.setattr(cpu_kernels, "_cpu_vendor", lambda v=vendor: v)
-    cpu_kernels.ready.cache_clear()
-    assert cpu_kernels.backend() == want, vendor
-  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")        # asked for: used on any x86 CPU
-  cpu_kernels.ready.cache_clear()
-  assert cpu_kernels.backend() == "mkl"
+    fresh_kernels.setattr(mkl, "_cpu_vendor", lambda v=vendor: v)
+    mkl.reset()
+    assert mkl.backend("auto") == want, vendor
+    assert mkl.backend("mkl") == "mkl", vendor        # asked for: used on any x86 CPU
+    assert mkl.backend("xla") == "xla", vendor
 
 
 def test_cpuinfo_reads_fields_and_names_nothing_it_lacks():
   if X86_LINUX:
-    assert cpu_kernels.cpuinfo("vendor_id") in ("GenuineIntel", "AuthenticAMD", "HygonGenuine")
-    assert "sse2" in cpu_kernels.cpuinfo("flags").split()
-  assert cpu_kernels.cpuinfo("no such field") == ""
+    assert mkl.cpuinfo("vendor_id") in ("GenuineIntel", "AuthenticAMD", "HygonGenuine")
+    assert "sse2" in mkl.cpuinfo("flags").split()
+  assert mkl.cpuinfo("no such field") == ""
 
 
-def test_env_xla_turns_it_off_and_bad_value_is_named(fresh_kernels):
-  fresh_kernels.setenv(cpu_kernels.ENV, "xla")
+def test_xla_choice_turns_it_off_and_bad_value_is_named():
   a = jnp.ones((128, 64), jnp.float32)
-  assert cpu_kernels.backend() == "xla"
-  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)   # a fresh trace
-  cpu_kernels.ready.cache_clear()
-  fresh_kernels.setenv(cpu_kernels.ENV, "fastest")
-  with pytest.raises(ValueError, match="RAO_JAX_CPU_KERNELS='fastest'"):
-    cpu_kernels.backend()
-
-
-def test_select_switches_for_functions_traced_afterwards(fresh_kernels):
-  # New functions each time: JAX caches the trace of a function it has seen with these shapes.
-  a = jnp.ones((128, 64), jnp.float32)
-  cpu_kernels.select("xla")
-  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
+  assert mkl.backend("xla") == "xla"
+  assert "rao_mkl_gemm" not in _hlo(lambda x, y: matmul.dense(x, y, kernels="xla"), a, a.T)
   if X86_LINUX:
-    cpu_kernels.select("mkl")
-    assert "rao_mkl_gemm" in _hlo(lambda x, y: matmul.dense(x, y), a, a.T)
-  with pytest.raises(ValueError, match="'fastest'"):
-    cpu_kernels.select("fastest")
+    assert "rao_mkl_gemm" in _hlo(lambda x, y: matmul.dense(x, y, kernels="mkl"), a, a.T)
+  with pytest.raises(ValueError, match=r"dense\(kernels=...\)='fastest'.*'auto'.*'mkl'.*'xla'"):
+    matmul.dense(a, a.T, kernels="fastest")
+  with pytest.raises(ValueError, match="ModelConfig.kernels='fastest'.*use 'auto'"):
+    ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                mlp_dim=64, kernels="fastest")
+
+
+@needs_mkl
+def test_models_with_different_kernels_trace_separately_in_one_process():
+  # One jitted function, the model's graph static (as the learner's step takes it): the choice
+  # is in the static config, so each model gets its own trace, in either order. (Read from the
+  # environment at trace time, the second model would reuse the first one's trace.)
+  cfgs = {mode: ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            head_dim=16, mlp_dim=128, dtype="float32", param_dtype="float32",
+                            kernels=mode) for mode in ("xla", "mkl")}
+  B, T = 2, 48
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, T)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+  traces = []
+
+  def forward(graphdef, state, tokens, pos, seg):
+    traces.append(nnx.merge(graphdef, state).cfg.kernels)
+    return nnx.merge(graphdef, state)(tokens, pos, seg)
+
+  fwd = jax.jit(forward, static_argnums=0)
+  split = {mode: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0))) for mode, cfg in cfgs.items()}
+  hlo = {mode: fwd.lower(gd, st, tokens, pos, seg).as_text() for mode, (gd, st) in split.items()}
+  assert traces == ["xla", "mkl"]
+  assert "rao_mkl_gemm" not in hlo["xla"] and mkl.ATTENTION_FWD not in hlo["xla"]
+  assert "rao_mkl_gemm" in hlo["mkl"] and mkl.ATTENTION_FWD in hlo["mkl"]
+  out = {mode: fwd(gd, st, tokens, pos, seg) for mode, (gd, st) in split.items()}
+  assert len(traces) == 2                        # the calls reuse the two traces
+  np.testing.assert_allclose(out["mkl"], out["xla"], rtol=1e-4, atol=1e-4)
 
 
 def test_missing_mkl_falls_back_or_fails_clearly(fresh_kernels, caplog):
   def missing():
-    raise cpu_kernels.CpuKernelsUnavailable("the 'mkl' package is not installed (pip install mkl)")
-  fresh_kernels.setattr(cpu_kernels, "_mkl_lib_dir", missing)
-  fresh_kernels.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-  fresh_kernels.setattr(cpu_kernels.platform, "system", lambda: "Linux")
-  fresh_kernels.setattr(cpu_kernels, "_cpu_vendor", lambda: "GenuineIntel")
-  fresh_kernels.setenv(cpu_kernels.ENV, "auto")
-  assert cpu_kernels.backend() == "xla"                  # auto: a warning, then XLA
+    raise mkl.CpuKernelsUnavailable("the 'mkl' package is not installed (pip install mkl)")
+  fresh_kernels.setattr(mkl, "_mkl_lib_dir", missing)
+  fresh_kernels.setattr(mkl.platform, "machine", lambda: "x86_64")
+  fresh_kernels.setattr(mkl.platform, "system", lambda: "Linux")
+  fresh_kernels.setattr(mkl, "_cpu_vendor", lambda: "GenuineIntel")
+  assert mkl.backend("auto") == "xla"                  # auto: a warning, then XLA
   assert "pip install mkl" in caplog.text
-  cpu_kernels.ready.cache_clear()
-  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")           # asked for explicitly: an error
-  with pytest.raises(cpu_kernels.CpuKernelsUnavailable,
-                     match="RAO_JAX_CPU_KERNELS=mkl.*pip install mkl"):
-    cpu_kernels.backend()
+  with pytest.raises(mkl.CpuKernelsUnavailable,     # asked for explicitly: an error
+                     match="ModelConfig.kernels='mkl'.*pip install mkl"):
+    mkl.backend("mkl")
 
 
 @pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
@@ -91,15 +103,14 @@ def test_compile_failure_names_the_source_and_compiler_output(fresh_kernels, tmp
   src = tmp_path / "csrc"
   src.mkdir()
   (src / "mkl_gemm.cc").write_text("this is not C++\n")
-  fresh_kernels.setattr(cpu_kernels, "_SOURCE_DIR", str(src))
+  fresh_kernels.setattr(mkl, "_SOURCE_DIR", str(src))
   fresh_kernels.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
-  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="compiling .*csrc failed(?s:.*)this is not C"):
-    cpu_kernels.backend()
+  with pytest.raises(mkl.CpuKernelsUnavailable, match="compiling .*csrc failed(?s:.*)this is not C"):
+    mkl.backend("mkl")
   assert not list((tmp_path / "cache" / "rao_jax").glob("*.so"))   # nothing half-built kept
 
 
-# ---- cpu_attention ------------------------------------------------------------------------------
+# ---- mkl_attention ------------------------------------------------------------------------------
 def _qkv(B, T, H, K, h, seed=0):
   rng = np.random.default_rng(seed)
   return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -132,9 +143,9 @@ def test_attention_matches_xla_values_and_gradients(B, T, H, K, h):
   # GQA groups of 3, plain multi-head, one shared kv head; T not a multiple of the query block.
   q, k, v, w = _qkv(B, T, H, K, h)
   seg = _segments(B, T)
-  ours = lambda q, k, v: cpu_attention.causal_attention(q, k, v, seg)   # noqa: E731
+  ours = lambda q, k, v: mkl_attention.causal_attention(q, k, v, seg)   # noqa: E731
   ref = lambda q, k, v: _xla_attention(q, k, v, seg)                    # noqa: E731
-  assert cpu_kernels.ATTENTION_FWD in _hlo(ours, q, k, v)
+  assert mkl.ATTENTION_FWD in _hlo(ours, q, k, v)
   np.testing.assert_allclose(jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v), atol=2e-5, rtol=1e-4)
   loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)     # noqa: E731
   got = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v)
@@ -151,7 +162,7 @@ def test_attention_never_reads_another_segment_or_a_later_token():
   B, T, H, K, h = 3, 150, 6, 2, 16
   q, k, v, _ = _qkv(B, T, H, K, h)
   seg = _segments(B, T)
-  f = jax.jit(lambda q, k, v: cpu_attention.causal_attention(q, k, v, seg))
+  f = jax.jit(lambda q, k, v: mkl_attention.causal_attention(q, k, v, seg))
   base = f(q, k, v)
   k2, v2 = k.at[1, 70:].add(3.0), v.at[1, 70:].add(3.0)    # row 1's second segment only
   out = f(q, k2, v2)
@@ -166,17 +177,16 @@ def test_attention_never_reads_another_segment_or_a_later_token():
 def test_attention_shape_errors_name_the_shapes():
   q, k, v, _ = _qkv(2, 8, 6, 4, 16)    # 4 kv heads do not divide 6 query heads
   with pytest.raises(ValueError, match=r"q \(2, 8, 6, 16\), k \(2, 8, 4, 16\)"):
-    cpu_attention.causal_attention(q, k, v, jnp.ones((2, 8), jnp.int32))
+    mkl_attention.causal_attention(q, k, v, jnp.ones((2, 8), jnp.int32))
   q, k, v, _ = _qkv(2, 8, 6, 3, 16)
   with pytest.raises(ValueError, match=r"segment ids \(2, 7\), expected \(2, 8\)"):
-    cpu_attention.causal_attention(q, k, v, jnp.ones((2, 7), jnp.int32))
+    mkl_attention.causal_attention(q, k, v, jnp.ones((2, 7), jnp.int32))
 
 
-def test_attention_usable_only_for_float32_on_mkl(fresh_kernels):
-  assert not cpu_attention.usable(jnp.bfloat16)
-  assert cpu_attention.usable(jnp.float32) == (X86_LINUX and jax.default_backend() == "cpu")
-  cpu_kernels.select("xla")
-  assert not cpu_attention.usable(jnp.float32)
+def test_attention_usable_only_for_float32_on_mkl():
+  assert not mkl_attention.usable(jnp.bfloat16, MODE)
+  assert mkl_attention.usable(jnp.float32, MODE) == (X86_LINUX and jax.default_backend() == "cpu")
+  assert not mkl_attention.usable(jnp.float32, "xla")
 
 
 @needs_mkl
@@ -192,7 +202,7 @@ def test_attention_under_a_device_mesh():
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))   # noqa: E731
   args = (put(q, P("data", None, "model")), put(k, P("data")), put(v, P("data")))
   loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, seg) * w)          # noqa: E731
-  got = jax.jit(jax.value_and_grad(loss(cpu_attention.causal_attention), (0, 1, 2)))(*args)
+  got = jax.jit(jax.value_and_grad(loss(mkl_attention.causal_attention), (0, 1, 2)))(*args)
   want = jax.value_and_grad(loss(lambda q, k, v, s: _xla_attention(q, k, v, s)), (0, 1, 2))(
       q, k, v)
   for g_, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -200,7 +210,11 @@ def test_attention_under_a_device_mesh():
 
 
 def test_attention_without_the_kernels_says_so(fresh_kernels):
-  cpu_kernels.select("xla")
+  def missing():
+    raise mkl.CpuKernelsUnavailable("the 'mkl' package is not installed (pip install mkl)")
+  fresh_kernels.setattr(mkl, "_mkl_lib_dir", missing)
+  fresh_kernels.setattr(mkl.platform, "machine", lambda: "x86_64")
+  fresh_kernels.setattr(mkl.platform, "system", lambda: "Linux")
   q, k, v, _ = _qkv(1, 8, 2, 1, 8)
-  with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="RAO_JAX_CPU_KERNELS=xla"):
-    cpu_attention.causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32))
+  with pytest.raises(mkl.CpuKernelsUnavailable, match="needs the MKL kernels.*pip install mkl"):
+    mkl_attention.causal_attention(q, k, v, jnp.ones((1, 8), jnp.int32))

@@ -1,4 +1,5 @@
-"""rao_jax.model.matmul: MKL's sgemm through XLA FFI for the model's float32 CPU products."""
+"""rao_jax.kernels.matmul: MKL's sgemm through XLA FFI for the model's float32 CPU products."""
+import functools
 import platform
 
 import jax
@@ -7,16 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.model import cpu_kernels, matmul
+from rao_jax.kernels import matmul, mkl
 
 X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
-
-
-@pytest.fixture(autouse=True)
-def mkl_on_x86(fresh_kernels):
-  """The kernels under test on any x86-64 Linux CPU (``auto`` takes them on Intel only)."""
-  if X86_LINUX:
-    fresh_kernels.setenv(cpu_kernels.ENV, "mkl")
+# The kernels under test on any x86-64 Linux CPU ("auto" takes them on Intel only).
+MODE = "mkl" if X86_LINUX else "xla"
+dense = functools.partial(matmul.dense, kernels=MODE)
 
 
 def _hlo(fn, *args):
@@ -33,7 +30,7 @@ def test_dense_matches_xla_values_and_gradients(trans_a, trans_b):
   b = jnp.asarray(rng.standard_normal((n, k) if trans_b else (k, n)), jnp.float32)
 
   def ours(a, b):
-    return matmul.dense(a, b, trans_a, trans_b)
+    return dense(a, b, trans_a, trans_b)
 
   def ref(a, b):
     return (a.T if trans_a else a) @ (b.T if trans_b else b)
@@ -52,30 +49,30 @@ def test_dense_matches_xla_values_and_gradients(trans_a, trans_b):
 def test_small_bf16_and_mixed_products_stay_with_xla():
   a = jnp.ones((8, 96), jnp.float32)     # a decode step's rows: below MIN_ROWS
   w = jnp.ones((96, 128), jnp.float32)
-  assert "rao_mkl_gemm" not in _hlo(matmul.dense, a, w)
+  assert "rao_mkl_gemm" not in _hlo(dense, a, w)
   big = jnp.ones((128, 96), jnp.bfloat16)
-  out = jax.jit(lambda x, y: matmul.dense(x, y, preferred_element_type=jnp.float32))(
+  out = jax.jit(lambda x, y: dense(x, y, preferred_element_type=jnp.float32))(
       big, w.astype(jnp.bfloat16))
   assert out.dtype == jnp.float32 and float(out[0, 0]) == 96.0
-  assert "rao_mkl_gemm" not in _hlo(matmul.dense, big, w.astype(jnp.bfloat16))
+  assert "rao_mkl_gemm" not in _hlo(dense, big, w.astype(jnp.bfloat16))
 
 
 def test_shape_errors_name_the_shapes():
   with pytest.raises(ValueError, match=r"\[4, 5\].*\[6, 7\]"):
-    matmul.dense(jnp.ones((4, 5)), jnp.ones((6, 7)))
+    dense(jnp.ones((4, 5)), jnp.ones((6, 7)))
   with pytest.raises(ValueError, match="2-D"):
-    matmul.dense(jnp.ones((2, 4, 5)), jnp.ones((5, 7)))
+    dense(jnp.ones((2, 4, 5)), jnp.ones((5, 7)))
 
 
 @pytest.mark.skipif(not X86_LINUX, reason="MKL path is x86-64 Linux only")
-def test_model_gradients_agree_between_mkl_and_xla(fresh_kernels):
+def test_model_gradients_agree_between_mkl_and_xla():
   # The whole model's loss and gradients through MKL (every block's products and attention)
   # equal XLA's.
   from rao_jax.model import ModelConfig, Transformer, token_logprob_sum
   cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                    head_dim=16, mlp_dim=128, dtype="float32", param_dtype="float32")
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(model)
+                    head_dim=16, mlp_dim=128, dtype="float32", param_dtype="float32",
+                    kernels="mkl")
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(1)
   B, T = 2, 48
   tokens = jnp.asarray(rng.integers(0, 256, (B, T + 1)))
@@ -83,21 +80,21 @@ def test_model_gradients_agree_between_mkl_and_xla(fresh_kernels):
   seg = jnp.ones((B, T), jnp.int32)
   coef = jnp.full((B, T), -1.0 / (B * T))
 
-  def loss(state):
+  def loss(state, graphdef):
     m = nnx.merge(graphdef, state)
     return token_logprob_sum(m, m(tokens[:, :-1], pos, seg), tokens[:, 1:], coef, chunk=64)[0]
 
-  def run():
-    fn = jax.value_and_grad(loss)   # a new function: traced afresh under the current choice
-    return jax.jit(fn).lower(state).as_text(), jax.jit(fn)(state)
+  fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
 
-  hlo_mkl, (l_mkl, g_mkl) = run()
+  def run(graphdef):
+    return fn.lower(state, graphdef).as_text(), fn(state, graphdef)
+
+  hlo_mkl, (l_mkl, g_mkl) = run(graphdef)
   assert hlo_mkl.count("rao_mkl_gemm") >= 10
-  assert cpu_kernels.ATTENTION_FWD in hlo_mkl and cpu_kernels.ATTENTION_BWD in hlo_mkl
-  fresh_kernels.setenv(cpu_kernels.ENV, "xla")
-  cpu_kernels.ready.cache_clear()
-  hlo_xla, (l_xla, g_xla) = run()
-  assert "rao_mkl_gemm" not in hlo_xla and cpu_kernels.ATTENTION_FWD not in hlo_xla
+  assert mkl.ATTENTION_FWD in hlo_mkl and mkl.ATTENTION_BWD in hlo_mkl
+  hlo_xla, (l_xla, g_xla) = run(nnx.split(Transformer(cfg.replace(kernels="xla"),
+                                                     rngs=nnx.Rngs(0)))[0])
+  assert "rao_mkl_gemm" not in hlo_xla and mkl.ATTENTION_FWD not in hlo_xla
   np.testing.assert_allclose(l_mkl, l_xla, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_mkl), jax.tree.leaves(g_xla)):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
@@ -116,7 +113,7 @@ def test_sharded_operands_give_the_same_result_and_gradients():
   a_s = jax.device_put(a, NamedSharding(mesh, P("data", None)))
   w_s = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
   loss = lambda f: lambda a, w: jnp.sum(jnp.sin(f(a, w)))   # noqa: E731
-  got = jax.jit(jax.value_and_grad(loss(matmul.dense), (0, 1)))(a_s, w_s)
+  got = jax.jit(jax.value_and_grad(loss(dense), (0, 1)))(a_s, w_s)
   want = jax.value_and_grad(loss(jnp.dot), (0, 1))(a, w)
   for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w_, rtol=1e-4, atol=1e-4)

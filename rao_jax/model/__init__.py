@@ -3,9 +3,11 @@
 Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum),
 weights (registry, GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free
 tokenizer and chat template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line
-chat), matmul (the model's 2-D products: MKL sgemm through XLA FFI on x86 CPUs, else XLA's dot),
-kernels (the platform kernels, chosen by the lowering platform: training attention by MKL or XLA
-on CPU, Pallas splash on TPU, Pallas flash on GPU; the KV-cache attention).
+chat). The platform kernels it calls (products, attention) are ``rao_jax.kernels``, chosen by the
+lowering platform and, on CPU, by the static ``ModelConfig.kernels``.
+
+The names below are re-exported lazily: ``from rao_jax.model import sharding`` (or ``config``)
+loads that module alone, not the model, its weights and the tokenizer.
 
     ## The model API
     
@@ -60,13 +62,17 @@ on CPU, Pallas splash on TPU, Pallas flash on GPU; the KV-cache attention).
     model state and for batches. All PartitionSpecs of the package live in that module.
 """
 
-from rao_jax.model.config import ModelConfig, RopeScaling, UnsupportedModelError
-from rao_jax.model.transformer import (Transformer, make_packed_inputs, token_logprob_sum,
-                                       token_logprobs)
-from rao_jax.model.tokenizer import Tokenizer
-from rao_jax.model.weights import (CheckpointMismatchError, WeightFileError, export_hf,
-                                   known_models, load_model, load_pretrained,
-                                   resolve_model_path)
+import importlib
+
+_EXPORTS = {
+    "ModelConfig": "config", "RopeScaling": "config", "UnsupportedModelError": "config",
+    "Transformer": "transformer", "make_packed_inputs": "transformer",
+    "token_logprob_sum": "transformer", "token_logprobs": "transformer",
+    "Tokenizer": "tokenizer",
+    "CheckpointMismatchError": "weights", "WeightFileError": "weights", "export_hf": "weights",
+    "known_models": "weights", "load_model": "weights", "load_pretrained": "weights",
+    "resolve_model_path": "weights",
+}
 
 __all__ = [
     "ModelConfig", "RopeScaling", "UnsupportedModelError", "Transformer", "token_logprobs",
@@ -74,3 +80,9 @@ __all__ = [
     "export_hf", "known_models", "resolve_model_path", "CheckpointMismatchError",
     "WeightFileError",
 ]
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

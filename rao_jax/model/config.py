@@ -18,6 +18,7 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots")
+KERNELS = ("auto", "mkl", "xla")   # rao_jax.kernels.mkl.MODES (kept here: config stays light)
 
 
 class UnsupportedModelError(ValueError):
@@ -101,7 +102,12 @@ class ModelConfig:
     attention_block: queries per block in the full forward's causal attention: the queries of
       block [a, a + n) only meet keys [0, a + n), so the masked upper triangle is mostly never
       computed (at 4 x 512 on CPU, n=128 made attention forward+backward 1.7x faster). XLA's
-      attention only: the MKL kernel (cpu_attention) blocks by 64 queries on its own.
+      attention only: the MKL kernel (rao_jax.kernels.mkl_attention) blocks by 64 queries on its
+      own.
+    kernels: the CPU kernels of float32 products and training attention: "auto" (MKL on Intel
+      CPUs where it builds, else XLA's ops), "mkl" (MKL on any x86 CPU; an error if it cannot be
+      built) or "xla" (XLA's own). Static like every field here: jit caches keep one trace per
+      value. GPU and TPU lowerings take their own kernels whatever it says (rao_jax.kernels).
     bos_token_id, eos_token_id, pad_token_id: ids written to an exported ``config.json``.
   """
   vocab_size: int
@@ -127,6 +133,7 @@ class ModelConfig:
   scan_layers: bool = True
   logits_chunk: int = 1024
   attention_block: int = 128
+  kernels: str = "auto"
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
@@ -171,6 +178,10 @@ class ModelConfig:
             f"{', '.join(_DTYPES)} or 'auto'.")
     if self.remat not in _REMAT:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {', '.join(_REMAT)}.")
+    if self.kernels not in KERNELS:
+      raise ValueError(
+          f"ModelConfig.kernels={self.kernels!r} is not a kernel choice; use 'auto' (MKL on "
+          "Intel CPUs where it builds, else XLA), 'mkl' (MKL on any x86 CPU) or 'xla'.")
 
   # ---- derived --------------------------------------------------------------------------------
   @property

@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rao_jax.model import kernels
+from rao_jax.kernels import attention
+from rao_jax.kernels.matmul import dense
 from rao_jax.model.config import ModelConfig, rope_inv_freq
-from rao_jax.model.matmul import dense
 
 Cache = dict[str, list]   # {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}
 
-_MASK_VALUE = kernels.MASK_VALUE
+_MASK_VALUE = attention.MASK_VALUE
 
 # Names (and logical sharding axes) of the per-layer parameters, stacked over "layers".
 LAYER_PARAM_AXES: dict[str, tuple[str, ...]] = {
@@ -154,7 +154,7 @@ def _qkv(cfg: ModelConfig, p, w_qkv, x_BxTxD, cos, sin):
   y = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_eps)
   B, T, D = y.shape
   H, K, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  qkv = dense(y.reshape(B * T, D), w_qkv.astype(dt))
+  qkv = dense(y.reshape(B * T, D), w_qkv.astype(dt), kernels=cfg.kernels)
   q = qkv[:, :H * h].reshape(B, T, H, h)
   k = qkv[:, H * h:(H + K) * h].reshape(B, T, K, h)
   v = qkv[:, (H + K) * h:].reshape(B, T, K, h)
@@ -166,8 +166,8 @@ def _qkv(cfg: ModelConfig, p, w_qkv, x_BxTxD, cos, sin):
   return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-@jax.custom_vjp
-def _mlp(y_BxTxD, wg_DxF, wu_DxF, wd_FxD):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _mlp(y_BxTxD, wg_DxF, wu_DxF, wd_FxD, kernels: str = "auto"):
   """SwiGLU MLP, down(silu(y gate) * (y up)), with a hand-written backward pass.
 
   Autodiff's backward computed each weight gradient from a transposed copy of the
@@ -175,30 +175,33 @@ def _mlp(y_BxTxD, wg_DxF, wu_DxF, wd_FxD):
   that ran at a few hundred MB/s on CPU (a tenth of the step at 4 x 512). Here each weight
   gradient is one explicit [B*T, .]^T x [B*T, .] product and the SwiGLU derivative is one
   sigmoid: the 4 x 512 SmolLM2 step went from 23 s to 20 s (benchmarks/bench_model.py).
+  ``kernels`` is the model's CPU kernel choice (ModelConfig.kernels).
   """
-  return _mlp_fwd(y_BxTxD, wg_DxF, wu_DxF, wd_FxD)[0]
+  return _mlp_fwd(y_BxTxD, wg_DxF, wu_DxF, wd_FxD, kernels)[0]
 
 
-def _mlp_fwd(y_BxTxD, wg, wu, wd):
+def _mlp_fwd(y_BxTxD, wg, wu, wd, kernels):
   B, T, D = y_BxTxD.shape
   y = y_BxTxD.reshape(B * T, D)
-  g, u = dense(y, wg), dense(y, wu)
-  return dense(jax.nn.silu(g) * u, wd).reshape(B, T, D), (y, g, u, wg, wu, wd)
+  mm = functools.partial(dense, kernels=kernels)
+  g, u = mm(y, wg), mm(y, wu)
+  return mm(jax.nn.silu(g) * u, wd).reshape(B, T, D), (y, g, u, wg, wu, wd)
 
 
-def _mlp_bwd(res, d_out_BxTxD):
+def _mlp_bwd(kernels, res, d_out_BxTxD):
   y_NxD, g_NxF, u_NxF, wg, wu, wd = res
   B, T, D = d_out_BxTxD.shape
   d_out_NxD = d_out_BxTxD.reshape(B * T, D)
   sig = jax.nn.sigmoid(g_NxF)
   silu = g_NxF * sig
-  d_a = dense(d_out_NxD, wd, trans_b=True)
+  mm = functools.partial(dense, kernels=kernels)
+  d_a = mm(d_out_NxD, wd, trans_b=True)
   d_u = d_a * silu
   d_g = d_a * u_NxF * (sig * (1 + g_NxF * (1 - sig)))
-  d_y = dense(d_g, wg, trans_b=True) + dense(d_u, wu, trans_b=True)
-  d_wd = dense(silu * u_NxF, d_out_NxD, trans_a=True)
-  d_wg = dense(y_NxD, d_g, trans_a=True)
-  d_wu = dense(y_NxD, d_u, trans_a=True)
+  d_y = mm(d_g, wg, trans_b=True) + mm(d_u, wu, trans_b=True)
+  d_wd = mm(silu * u_NxF, d_out_NxD, trans_a=True)
+  d_wg = mm(y_NxD, d_g, trans_a=True)
+  d_wu = mm(y_NxD, d_u, trans_a=True)
   return d_y.reshape(B, T, D), d_wg, d_wu, d_wd
 
 
@@ -208,13 +211,14 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
   dt = cfg.jnp_dtype
   B, T, H, h = attn_BxTxHxh.shape
-  o = dense(attn_BxTxHxh.reshape(B * T, H * h), p["wo"].astype(dt).reshape(H * h, -1)
-            ).reshape(B, T, -1)
+  o = dense(attn_BxTxHxh.reshape(B * T, H * h), p["wo"].astype(dt).reshape(H * h, -1),
+            kernels=cfg.kernels).reshape(B, T, -1)
   if cfg.o_bias:
     o = o + p["bo"].astype(dt)
   x = x_BxTxD + o
   y = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-  return x + _mlp(y, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt))
+  return x + _mlp(y, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt),
+                  cfg.kernels)
 
 
 def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, attend):
@@ -224,9 +228,10 @@ def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, attend):
 
 
 def _self_attention(cfg: ModelConfig, segment_ids_BxT):
-  """``attend(q, k, v)`` for the full forward: the platform's kernel (``kernels``)."""
-  return lambda q, k, v: kernels.causal_attention(q, k, v, segment_ids_BxT,
-                                                  block=cfg.attention_block)
+  """``attend(q, k, v)`` for the full forward: the platform's kernel (``rao_jax.kernels``)."""
+  return lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT,
+                                                    block=cfg.attention_block,
+                                                    kernels=cfg.kernels)
 
 
 def _remat(cfg: ModelConfig, fn):
@@ -429,22 +434,23 @@ def _logits(w_VxD, hidden_BxTxD, dtype):
 
 
 # The XLA attentions live with the platform kernels; these names stay for callers and tests.
-_attention = kernels.cached_attention
-_causal_attention = kernels.blocked_causal_attention
+_attention = attention.cached_attention
+_causal_attention = attention.blocked_causal_attention
 
 
 # ---- log-probs of target tokens, chunked ---------------------------------------------------------
-def _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature):
+def _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature, kernels):
   """(logits / temperature [N, V], their logsumexp [N], target log-probs [N]), float32."""
-  logits_NxV = dense(hidden_NxD, w_VxD, trans_b=True, preferred_element_type=jnp.float32)
+  logits_NxV = dense(hidden_NxD, w_VxD, trans_b=True, preferred_element_type=jnp.float32,
+                     kernels=kernels)
   logits_NxV = logits_NxV / temperature
   lse_N = jax.nn.logsumexp(logits_NxV, axis=-1)
   tgt_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
   return logits_NxV, lse_N, tgt_N - lse_N
 
 
-def _chunk_logprobs(hidden_NxD, targets_N, w_VxD, temperature):
-  return _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature)[2]
+def _chunk_logprobs(hidden_NxD, targets_N, w_VxD, temperature, kernels):
+  return _chunk_logits(hidden_NxD, targets_N, w_VxD, temperature, kernels)[2]
 
 
 def _in_chunks(chunk: int, *arrays):
@@ -478,10 +484,11 @@ def token_logprobs(model: Transformer, hidden_BxTxD, targets_BxT, temperature: f
   h_NxD = hidden_BxTxD.reshape(n, D)
   t_N = targets_BxT.reshape(n).astype(jnp.int32)
   temperature = jnp.asarray(temperature, jnp.float32)
+  kernels = model.cfg.kernels
   if chunk >= n:
-    return _chunk_logprobs(h_NxD, t_N, w, temperature).reshape(B, T)
+    return _chunk_logprobs(h_NxD, t_N, w, temperature, kernels).reshape(B, T)
   h, t = _in_chunks(chunk, h_NxD, t_N)
-  fn = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, tc, w, temperature))
+  fn = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, tc, w, temperature, kernels))
   out = jax.lax.map(lambda a: fn(*a), (h, t))
   return out.reshape(-1)[:n].reshape(B, T)
 
@@ -519,29 +526,32 @@ def token_logprob_sum(model: Transformer, hidden_BxTxD, targets_BxT, coef_BxT,
                        jax.lax.stop_gradient(coef_BxT).reshape(n).astype(jnp.float32))
   w = model.head_weight().astype(model.cfg.jnp_dtype)
   temperature = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
-  total, logp = _fused_logprob_sum(h, w, t, c, temperature)
+  total, logp = _fused_logprob_sum(h, w, t, c, temperature, model.cfg.kernels)
   return total, jax.lax.stop_gradient(logp.reshape(-1)[:n].reshape(B, T))
 
 
-@jax.custom_vjp
-def _fused_logprob_sum(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_logprob_sum(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature, kernels):
   """(sum c * logp, logp [C, N]) over C chunks of N positions; see token_logprob_sum."""
-  logp = jax.lax.map(lambda a: _chunk_logprobs(a[0], a[1], w_VxD, temperature), (h_CxNxD, t_CxN))
+  logp = jax.lax.map(lambda a: _chunk_logprobs(a[0], a[1], w_VxD, temperature, kernels),
+                     (h_CxNxD, t_CxN))
   return jnp.sum(c_CxN * logp), logp
 
 
-def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
+def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature, kernels):
+  mm = functools.partial(dense, kernels=kernels)
+
   def chunk(dw_VxD, xs):
     h_NxD, t_N, c_N = xs
-    logits_NxV, lse_N, logp_N = _chunk_logits(h_NxD, t_N, w_VxD, temperature)
+    logits_NxV, lse_N, logp_N = _chunk_logits(h_NxD, t_N, w_VxD, temperature, kernels)
     # d(c logp)/d(h W^T) = k (onehot(t) - softmax) with k = c / temperature. The onehot part is
     # a row gather (for dh) and a row scatter-add (for dw), not a dense [N, V] term.
     k_N = c_N / temperature
     kp_NxV = (jnp.exp(logits_NxV - lse_N[:, None]) * k_N[:, None]).astype(w_VxD.dtype)
     k_Nx1 = k_N[:, None].astype(h_NxD.dtype)
     dh_NxD = (jnp.take(w_VxD, t_N, axis=0) * k_Nx1
-              - dense(kp_NxV, w_VxD, preferred_element_type=jnp.float32).astype(h_NxD.dtype))
-    dw_VxD = dw_VxD - dense(kp_NxV, h_NxD, trans_a=True, preferred_element_type=jnp.float32)
+              - mm(kp_NxV, w_VxD, preferred_element_type=jnp.float32).astype(h_NxD.dtype))
+    dw_VxD = dw_VxD - mm(kp_NxV, h_NxD, trans_a=True, preferred_element_type=jnp.float32)
     dw_VxD = dw_VxD.at[t_N].add((h_NxD * k_Nx1).astype(jnp.float32))
     return dw_VxD, (logp_N, dh_NxD)
 
@@ -550,7 +560,7 @@ def _fused_logprob_sum_fwd(h_CxNxD, w_VxD, t_CxN, c_CxN, temperature):
   return (jnp.sum(c_CxN * logp), logp), (dh, dw.astype(w_VxD.dtype), logp, temperature)
 
 
-def _fused_logprob_sum_bwd(res, cts):
+def _fused_logprob_sum_bwd(kernels, res, cts):
   dh, dw, logp, temperature = res
   ct = cts[0]   # logp leaves token_logprob_sum under stop_gradient: its cotangent is zero
   return (ct.astype(dh.dtype) * dh, ct.astype(dw.dtype) * dw, None, ct * logp,

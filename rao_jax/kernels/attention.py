@@ -1,5 +1,5 @@
-"""The model's platform kernels in one place, each behind one function, chosen by the platform the
-program is LOWERED for.
+"""The training attention of packed rows, chosen by the platform the program is LOWERED for, and
+XLA's attention against a KV cache.
 
 ``causal_attention(q, k, v, segment_ids)`` is the training forward's attention of packed rows
 over themselves (query i sees key j iff j <= i in the same segment; grouped-query heads). It
@@ -8,8 +8,8 @@ branch of its target platform, so one traced program carries the right kernel fo
 GPU, and exporting it for ``cuda`` or ``tpu`` from a CPU host never meets a CPU-only custom
 call (``matmul.dense`` does the same for the MKL product):
 
-  * ``cpu``: the MKL kernel (``cpu_attention``, float32, where ``cpu_kernels`` enables it),
-    else XLA's blocked attention (``blocked_causal_attention``);
+  * ``cpu``: the MKL kernel (``mkl_attention``, float32, where the ``kernels`` choice takes it:
+    ``mkl.available``), else XLA's blocked attention (``blocked_causal_attention``);
   * ``tpu``: Pallas splash attention (``tpu_splash_attention``) with the causal mask and the
     segment ids (``SegmentIds``): flash-style, nothing T x T in HBM, fully masked blocks skipped;
   * ``cuda``: the Pallas GPU (Triton) flash attention (``gpu_flash_attention``), which takes
@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rao_jax.model import cpu_attention, cpu_kernels
+from rao_jax.kernels import mkl, mkl_attention
+from rao_jax.model import sharding
 
 # Large negative instead of -inf: a fully masked row then gives a finite (uniform) softmax, so
 # padding never produces NaNs that could leak into gradients through a 0 * NaN.
@@ -201,7 +202,6 @@ def _sharded(fn, q, k, v, segment_ids):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn(q, k, v, segment_ids)
-  from rao_jax.model import sharding  # pylint: disable=g-import-not-at-top
   # Query heads split like their key/value heads (head i*g + j belongs to kv head i), so both
   # take the kv heads' spec; rows that the data axes do not divide stay whole.
   qkv = sharding.logical_to_spec(("batch", None, "kv_heads", None), shape=k.shape, mesh=mesh)
@@ -210,7 +210,8 @@ def _sharded(fn, q, k, v, segment_ids):
                        check_vma=False)(q, k, v, segment_ids)
 
 
-def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: int = 128):
+def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: int = 128,
+                     kernels: str = "auto"):
   """softmax(q k^T / sqrt(h) + causal segment mask) v of packed rows, [B, T, H, h] in q's dtype.
 
   The implementation follows the platform the program is lowered for (see the module doc);
@@ -222,14 +223,17 @@ def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: in
     segment_ids_BxT: int; a query sees earlier keys of its own segment id only (0 = padding,
       which sees earlier padding only).
     block: queries per block of XLA's blocked attention.
+    kernels: "auto" | "mkl" | "xla", the CPU kernel choice (``mkl.available``; the model's
+      ``ModelConfig.kernels``); a static Python string.
   """
+  mkl.check_mode(kernels, "causal_attention(kernels=...)")
   _check(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT)
   T = q_BxTxHxh.shape[1]
   xla = functools.partial(xla_causal_attention, block=block)
 
   def cpu(q, k, v, s):
-    if cpu_attention.usable(q.dtype):
-      return cpu_attention.causal_attention(q, k, v, s).astype(q.dtype)
+    if mkl_attention.usable(q.dtype, kernels):
+      return mkl_attention.causal_attention(q, k, v, s).astype(q.dtype)
     return xla(q, k, v, s)
 
   tpu = xla if _block_for(T, _TPU_BLOCKS) is None else functools.partial(

@@ -1,19 +1,22 @@
-"""The model's float32 CPU kernels on MKL: building, loading and choosing them.
+"""The float32 CPU kernels on MKL: building, loading and choosing them.
 
 ``csrc/`` holds XLA FFI handlers that run on XLA:CPU's intra-op thread pool and call
 single-threaded MKL: ``rao_mkl_gemm`` (the dense products of ``matmul.dense``) and
 ``rao_mkl_attention_fwd``/``_bwd`` (the training forward's causal attention,
-``cpu_attention.py``). On an Intel Xeon, XLA:CPU's own dot kernels ran the SmolLM2 training
+``mkl_attention.py``). On an Intel Xeon, XLA:CPU's own dot kernels ran the SmolLM2 training
 step's products up to 30% below MKL (the peer, PyTorch, uses MKL too), and its attention spent
 more time in masks, softmax passes and transposed copies than in products
 (benchmarks/bench_cpu_kernels.py, bench_model.py).
 
 The handlers are compiled once per machine on first use (a C++ compiler, ~10 s, for this CPU:
 ``-march=native``) into ``$XDG_CACHE_HOME/rao_jax`` (default ``~/.cache/rao_jax``) and linked
-against the ``mkl`` wheel. ``RAO_JAX_CPU_KERNELS`` chooses: ``auto`` (default: MKL where it can be
-built on an Intel CPU, else XLA's own ops; a failed build logs one warning naming the reason),
-``mkl`` (any x86 CPU; an error if it cannot be built) or ``xla``. On AMD CPUs MKL's sgemm ran at
-half of XLA's speed (``_cpu_vendor``). GPUs, TPUs and bfloat16 always use XLA's ops.
+against the ``mkl`` wheel. The model chooses with its static config field ``ModelConfig.kernels``
+(a ``mode`` here): ``auto`` (MKL where it can be built on an Intel CPU, else XLA's own ops; a
+failed build logs one warning naming the reason), ``mkl`` (any x86 CPU; an error if it cannot be
+built) or ``xla``. The mode is part of every traced function's static arguments, so jit caches
+keep one trace per mode; what a mode resolves to depends only on this machine (its CPU, the
+``mkl`` wheel, a compiler), which is fixed for the process. On AMD CPUs MKL's sgemm ran at half
+of XLA's speed (``_cpu_vendor``). GPUs, TPUs and bfloat16 always use XLA's ops.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import tempfile
 import jax
 from absl import logging
 
-ENV = "RAO_JAX_CPU_KERNELS"
+MODES = ("auto", "mkl", "xla")
 GEMM = "rao_mkl_gemm"
 ATTENTION_FWD = "rao_mkl_attention_fwd"
 ATTENTION_BWD = "rao_mkl_attention_bwd"
@@ -46,15 +49,13 @@ class CpuKernelsUnavailable(RuntimeError):
   """The MKL kernels cannot be used here (the message says why and what to install)."""
 
 
-def _checked(mode: str) -> str:
-  mode = mode.strip().lower() or "auto"
-  if mode not in ("auto", "mkl", "xla"):
-    raise ValueError(f"{ENV}={mode!r}: expected 'auto', 'mkl' or 'xla'")
+def check_mode(mode, field: str = "ModelConfig.kernels") -> str:
+  """``mode`` if it is one of MODES, else a ValueError naming ``field``, the value and the fix."""
+  if mode not in MODES:
+    raise ValueError(f"{field}={mode!r} is not a kernel choice; use 'auto' (MKL on Intel CPUs "
+                     "where it builds, else XLA), 'mkl' (MKL on any x86 CPU, an error if it "
+                     "cannot be built) or 'xla' (XLA's own ops).")
   return mode
-
-
-def _mode() -> str:
-  return _checked(os.environ.get(ENV, "auto"))
 
 
 def _mkl_lib_dir() -> str:
@@ -153,44 +154,65 @@ def _build() -> str:
 
 
 @functools.cache
-def ready() -> bool:
-  """Whether the MKL kernels are registered (building them once); honours RAO_JAX_CPU_KERNELS."""
-  mode = _mode()
-  if mode == "xla":
-    return False
-  vendor = _cpu_vendor()
-  if mode == "auto" and vendor != "GenuineIntel":
-    logging.info("CPU products and attention use XLA's ops: MKL runs below XLA on %s CPUs "
-                 "(%s=mkl to use it anyway)", vendor or "non-Intel", ENV)
-    return False
+def _registration_error() -> str | None:
+  """Builds and registers the kernels once per process: None when they are registered, else why
+  not (kept, so a failed build is not retried at every trace)."""
   try:
     lib = ctypes.cdll.LoadLibrary(_build())
     for target, symbol in _SYMBOLS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                   platform="cpu")
   except (CpuKernelsUnavailable, OSError, AttributeError, subprocess.SubprocessError) as e:
-    if mode == "mkl":
-      raise CpuKernelsUnavailable(f"{ENV}=mkl but the MKL kernels cannot be used: {e}") from e
-    logging.warning("CPU products and attention use XLA's ops (%s=xla to silence): %s", ENV, e)
+    return str(e)
+  logging.info("the MKL kernels are registered with XLA FFI")
+  return None
+
+
+def registered() -> None:
+  """Registers the kernels (building them once); CpuKernelsUnavailable says why it cannot."""
+  error = _registration_error()
+  if error is not None:
+    raise CpuKernelsUnavailable(error)
+
+
+@functools.cache
+def available(mode: str) -> bool:
+  """Whether kernel choice ``mode`` runs the MKL kernels on this machine (building them once).
+
+  Raises:
+    ValueError: ``mode`` is not one of MODES.
+    CpuKernelsUnavailable: ``mode`` is "mkl" and the kernels cannot be built or loaded here.
+  """
+  check_mode(mode)
+  if mode == "xla":
     return False
-  logging.info("float32 CPU products and attention use MKL through XLA FFI")
+  vendor = _cpu_vendor()
+  if mode == "auto" and vendor != "GenuineIntel":
+    logging.info("CPU products and attention use XLA's ops: MKL runs below XLA on %s CPUs "
+                 "(ModelConfig.kernels='mkl' to use it anyway)", vendor or "non-Intel")
+    return False
+  error = _registration_error()
+  if error is not None:
+    if mode == "mkl":
+      raise CpuKernelsUnavailable(f"ModelConfig.kernels='mkl' but the MKL kernels cannot be "
+                                  f"used: {error}")
+    logging.warning("CPU products and attention use XLA's ops (ModelConfig.kernels='xla' to "
+                    "silence): %s", error)
+    return False
   return True
 
 
-def active() -> bool:
-  """Whether traced float32 code on the default backend should call the MKL kernels."""
-  return jax.default_backend() == "cpu" and ready()
+def active(mode: str) -> bool:
+  """Whether traced float32 code on the default backend calls the MKL kernels under ``mode``."""
+  return jax.default_backend() == "cpu" and available(mode)
 
 
-def select(mode: str) -> None:
-  """Sets ``RAO_JAX_CPU_KERNELS`` for this process; functions traced afterwards use the choice.
-
-  A function JAX has already traced for the same shapes keeps its trace (and its choice).
-  """
-  os.environ[ENV] = _checked(mode)   # a bad value is named here, not at the next trace
-  ready.cache_clear()
+def backend(mode: str = "auto") -> str:
+  """'mkl' or 'xla': what runs eligible float32 products and attention under ``mode`` here."""
+  return "mkl" if active(mode) else "xla"
 
 
-def backend() -> str:
-  """'mkl' or 'xla': what runs eligible float32 products and attention in this process."""
-  return "mkl" if active() else "xla"
+def reset() -> None:
+  """Forgets the cached build and choices (tests that change what this machine looks like)."""
+  _registration_error.cache_clear()
+  available.cache_clear()
