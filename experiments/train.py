@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import common
+from experiments.configs import base
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, with an optional ':arg'.", lock_config=True)
@@ -22,6 +23,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  base.check_keys(_CONFIG.value)   # a misspelt key would otherwise be silently ignored
   common.init_distributed()
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
   trainer.train(_CONFIG.value, _WORKDIR.value)

@@ -187,8 +187,8 @@ class _Stopper:
 
 
 def _validate(config) -> None:
-  from experiments.configs import base as base_cfg  # pylint: disable=g-import-not-at-top
-  base_cfg.check_keys(config)
+  # Unknown keys are the entry point's check (experiments.configs.base.check_keys): the schema
+  # lives with the configs, above this package.
   if int(config.rl.group_size) < 2:
     raise ValueError(
         f"config.rl.group_size={config.rl.group_size}: the leave-one-out baseline needs K >= 2 "

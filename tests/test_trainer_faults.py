@@ -221,7 +221,7 @@ def test_unknown_config_keys_are_rejected_with_the_valid_ones():
   c = base_cfg.base_config()
   c.evaluation = 3
   with pytest.raises(ValueError, match="config.evaluation .*'eval'"):
-    tr._validate(c)
+    base_cfg.check_keys(c)
   c = base_cfg.base_config()
   c.rl.group_size = 2
   c.rl.deadline_rule = "wait"

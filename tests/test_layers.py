@@ -1,0 +1,169 @@
+"""Imports point down: every module of rao_jax imports only its own package and lower layers.
+
+Every import statement is checked, the function-local ones too (a local import is still a
+dependency; it only hides it until the function runs). The layers are data below; a new package
+must be placed in them before its first import passes.
+"""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Low to high. A module may import modules of its own entry and of entries in LOWER layers;
+# entries of one layer are independent of each other. An entry names a package or a module
+# (the longest entry that contains a module is its own); "rao_jax" is the root module alone.
+LAYERS = [
+    # Leaves: the package root (docs), the logical-axis sharding table (kernels and model both
+    # place arrays by it), the tree schema (plain data the agent writes and the learner reads),
+    # the host allocator setting.
+    ["rao_jax", "rao_jax.model.sharding", "rao_jax.agent.records", "rao_jax.host_memory"],
+    ["rao_jax.kernels"],                      # platform kernels
+    ["rao_jax.model"],                        # the policy model, weights, tokenizer
+    # Generation, the REPL sandbox and the learner: each needs the model at most, and none of
+    # them knows the others.
+    ["rao_jax.rollout", "rao_jax.sandbox_host", "rao_jax.learner"],
+    ["rao_jax.envs"],                         # tasks, verifiers, judges (a judge generates)
+    ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
+    ["rao_jax.metrics"],                      # metrics files, plots, tree pages
+    ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
+    ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
+    ["rao_jax.testing"],                      # test fixtures over any of the above
+    ["experiments"],                          # configs and entry points (not part of rao_jax)
+]
+
+# (importer, imported, why): the only imports allowed to point up. Each names an entry or a
+# module; keep the reason honest and remove the line when the import goes.
+EXCEPTIONS = [
+    ("rao_jax.envs.longcontext_scripted", "rao_jax.agent.policies",
+     "the scripted long-context and search demonstrators drive the agent's ScriptedTurnEngine; "
+     "they belong beside agent.policies"),
+    ("rao_jax.rollout.serve", "rao_jax.evaluation",
+     "serve's --checkpoint loading reuses evaluation's checkpoint loader (issue 27: serve loads "
+     "checkpoints without evaluation)"),
+    ("rao_jax.rollout.serve", "rao_jax.testing",
+     "serve's --tiny test model comes from the test fixtures"),
+]
+
+
+def _entries():
+  return {e: i for i, layer in enumerate(LAYERS) for e in layer}
+
+
+def _entry(module: str, entries) -> str | None:
+  """The longest entry holding `module` ("rao_jax" holds only itself), or None."""
+  best = None
+  for e in entries:
+    inside = module == e or (e != "rao_jax" and module.startswith(e + "."))
+    if inside and (best is None or len(e) > len(best)):
+      best = e
+  return best
+
+
+def _modules() -> dict[str, str]:
+  """module name -> file, for every module of rao_jax."""
+  out = {}
+  for d, dirs, files in os.walk(os.path.join(ROOT, "rao_jax")):
+    dirs[:] = [x for x in dirs if x != "__pycache__"]
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(d, f)
+        name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+  return out
+
+
+def imports(path: str, module: str, known) -> list[tuple[int, str]]:
+  """(line, imported module) of every import in the file, at any depth; `from p import x`
+  counts as p.x where that is a module of `known`, else as p."""
+  package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+      for a in node.names:
+        full = f"{base}.{a.name}"
+        out.append((node.lineno, full if full in known else base))
+  return out
+
+
+def violations(modules: dict[str, str]) -> list[str]:
+  entries = _entries()
+  bad = []
+  for module, path in sorted(modules.items()):
+    own = _entry(module, entries)
+    if own is None:
+      bad.append(f"{module} is in no layer of tests/test_layers.py: add its package to LAYERS")
+      continue
+    for line, target in imports(path, module, modules):
+      if target.split(".")[0] not in ("rao_jax", "experiments"):
+        continue
+      theirs = _entry(target, entries)
+      if theirs is None:
+        bad.append(f"{module}:{line} imports {target}, which is in no layer")
+        continue
+      if theirs == own or entries[theirs] < entries[own]:
+        continue
+      if any(_entry(module, [imp]) and _entry(target, [dep]) for imp, dep, _ in EXCEPTIONS):
+        continue
+      how = "its own layer" if entries[theirs] == entries[own] else "a higher layer"
+      bad.append(f"{module}:{line} imports {target} ({theirs}: {how} than {own})")
+  return bad
+
+
+def test_imports_point_down():
+  bad = violations(_modules())
+  assert not bad, "imports that point up or sideways:\n  " + "\n  ".join(bad)
+
+
+def test_every_exception_is_still_needed():
+  # A listed exception whose import is gone must leave the list (it would hide a new one).
+  modules = _modules()
+  for importer, imported, _ in EXCEPTIONS:
+    used = any(_entry(target, [imported])
+               for module, path in modules.items() if _entry(module, [importer])
+               for _, target in imports(path, module, modules))
+    assert used, f"EXCEPTIONS lists {importer} -> {imported}, which no longer happens"
+
+
+def test_the_check_catches_an_upward_import_local_or_not(tmp_path):
+  # The model may not import the learner, not even inside a function; a relative import
+  # resolves like an absolute one.
+  model = tmp_path / "rao_jax" / "model"
+  model.mkdir(parents=True)
+  (model / "__init__.py").write_text("")
+  (model / "a.py").write_text("def f():\n  from rao_jax.learner import step\n")
+  (model / "b.py").write_text("from ..learner import config\nfrom . import a\n")
+  (model / "c.py").write_text("import experiments.configs.base\n")
+  found = violations({"rao_jax.model": str(model / "__init__.py"),
+                      **{f"rao_jax.model.{n}": str(model / f"{n}.py") for n in "abc"}})
+  assert [v.split(" (")[0] for v in found] == [
+      "rao_jax.model.a:2 imports rao_jax.learner",
+      "rao_jax.model.b:1 imports rao_jax.learner",
+      "rao_jax.model.c:1 imports experiments.configs.base"], found
+  assert "a higher layer than rao_jax.model" in found[0]
+
+
+@pytest.mark.parametrize("module", ["rao_jax.rollout.base", "rao_jax.rollout", "rao_jax.learner",
+                                    "rao_jax.model", "rao_jax.kernels", "rao_jax.agent.runner",
+                                    "rao_jax.envs.registry", "rao_jax.experiment"])
+def test_light_modules_do_not_load_jax(module):
+  # Host-side code (the agent runtime, a server's request shapes, reward arithmetic, config
+  # building) imports these; package re-exports are lazy so that they do not load JAX, Flax or
+  # aiohttp until a name that needs them is used.
+  code = (f"import sys, {module}\n"
+          "heavy = sorted(m for m in ('jax', 'flax', 'aiohttp', 'optax') if m in sys.modules)\n"
+          "print(','.join(heavy))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=True).stdout.strip()
+  assert out == "", f"import {module} loaded {out}"
