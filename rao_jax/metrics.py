@@ -91,8 +91,9 @@ def tree_stats(trees) -> dict[str, float]:
   """Shape statistics of a batch of execution trees (records of `rao_jax.agent.records`).
 
   Returns means over trees of: max depth, nodes, fan-out of nodes that delegated, generated
-  tokens per tree, wall-clock seconds; and the share of child launches that ran in parallel
-  with a sibling (their [start, end] intervals overlap), the signature of `asyncio.gather`.
+  tokens per tree, wall-clock seconds; the share of trees whose root delegated (launched at
+  least one helper); and the share of child launches that ran in parallel with a sibling
+  (their [start, end] intervals overlap), the signature of `asyncio.gather`.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   if not trees:
@@ -119,6 +120,7 @@ def tree_stats(trees) -> dict[str, float]:
       "tree_depth": float(np.mean(depth)),
       "tree_nodes": float(np.mean(nodes)),
       "tree_fanout": float(np.mean(fanout)) if fanout else 0.0,
+      "delegating_share": float(np.mean([bool(t.nodes[0].children) for t in trees])),
       "tree_tokens": float(np.mean(tokens)),
       "tree_wall_s": float(np.mean(wall)),
       "parallel_launch_share": children_parallel / children_total if children_total else 0.0,

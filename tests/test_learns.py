@@ -25,6 +25,7 @@ import os
 import numpy as np
 import pytest
 
+from experiments import micro_policy
 from experiments.configs import micro as micro_config
 
 WINDOW = 10      # steps averaged at the start and at the end of a run (each step: 4 tasks)
@@ -43,7 +44,7 @@ def test_micro_env_answers_are_one_token_and_verified():
   env = registry.make_env("micro", {"num_answers": 3})
   assert env.cfg.num_answers == 3
   assert {t.fields["answer"] for t in env.tasks("train")} == {"0", "1", "2"}
-  tok = micro.build_tokenizer(env.cfg)
+  tok = micro_policy.tokenizer_for(env)
   for d in "0123456789":
     ids = tok.encode(micro.answer_cell(d))
     assert len(ids) == 1, (d, ids)

@@ -2,7 +2,7 @@
 
 Usage:
   python -m experiments.train --config=experiments/configs/micro.py:model=DIR --workdir=...
-  (DIR from `setup(workdir)` or `rao_jax.envs.micro.build_policy`)
+  (DIR from `setup(workdir)` or `experiments.micro_policy.build_policy`)
 
 `setup(workdir)` builds the policy folder and returns the config: what `tests/test_learns.py`
 runs (with its lr=0 control) and what a demo can open with. See `rao_jax/envs/micro.py` for
@@ -51,10 +51,10 @@ def get_config(arg: str | None = None):
 
 def setup(workdir: str, arg: str | None = None):
   """Builds the micro policy under `workdir/model` (once) and returns the run's config."""
+  from experiments import micro_policy  # pylint: disable=g-import-not-at-top
   from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
-  from rao_jax.envs import micro  # pylint: disable=g-import-not-at-top
   c = get_config(arg)
   c.model.name = os.path.join(os.path.abspath(workdir), "model")
   if not os.path.exists(os.path.join(c.model.name, "warm_start.json")):
-    micro.build_policy(c.model.name, X.runner_config(c), c.env.kwargs.to_dict(), seed=c.seed)
+    micro_policy.build_policy(c.model.name, X.runner_config(c), X.make_env(c), seed=c.seed)
   return c

@@ -33,12 +33,18 @@ def _micro(**kw) -> base.Environment:
   return micro.MicroEnv(**kw)
 
 
+def _delegation(**kw) -> base.Environment:
+  from rao_jax.envs import delegation  # pylint: disable=g-import-not-at-top
+  return delegation.DelegationEnv(**kw)
+
+
 ENVIRONMENTS: dict[str, Callable[..., base.Environment]] = {
     "textcraft": _textcraft,
     "textcraft_synth": _textcraft_synth,
     "longcontext": _longcontext,
     "search": _search,
     "micro": _micro,   # the micro-run's environment (tests/test_learns.py)
+    "delegation": _delegation,   # k-part tasks that need helpers (test_learns_to_delegate.py)
 }
 
 
