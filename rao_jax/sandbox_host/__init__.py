@@ -1,9 +1,9 @@
 """Host side of the agents' isolated REPL.
 
-The REPL program itself is ``sandbox/repl.py`` (it runs inside the jail and never imports
-rao_jax). This package starts it under bubblewrap, speaks the fd protocol to it, forwards its
-tool calls to host callables, enforces the per-cell wall-clock limit and keeps a pool of
-started sandboxes:
+The REPL program itself is ``guest/repl.py`` (it runs inside the jail and never imports
+rao_jax; ``guest/wire.py`` is the fd protocol of both sides). This package starts it under
+bubblewrap, speaks the fd protocol to it, forwards its tool calls to host callables, enforces
+the per-cell wall-clock limit and keeps a pool of started sandboxes:
 
     cfg = SandboxConfig(isolation="bwrap", cell_timeout_s=30, max_output_chars=20_000)
     pool = SandboxPool(cfg, size=8); await pool.start()

@@ -5,7 +5,8 @@ Inside the jail the filesystem is a read-only tmpfs root holding only:
   /etc/ld.so.cache                                       so the loader finds them
   /python/bin/python3, /python/lib/python3.X[, libpython]  the interpreter and its stdlib
                                                          (its own site-packages masked)
-  /sandbox/repl.py                                       the REPL program (stdlib only)
+  /sandbox/repl.py, /sandbox/wire.py                     the REPL program and its protocol
+                                                         (stdlib only; guest/ of this package)
   /dev (minimal, read-only: no /dev/shm, no ptys), /tmp (private tmpfs of tmp_size_mb)
 /tmp is the only writable filesystem, so it bounds every file the jail can create (tmpfs
 memory is the host's); the other ways to shared memory (memfd, SysV/POSIX IPC) are refused by
@@ -37,10 +38,11 @@ import sysconfig
 from rao_jax.sandbox_host import seccomp
 from rao_jax.sandbox_host.config import SandboxConfig
 
-# The program that runs inside, found from this package's location (works from any clone).
-REPL_PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "sandbox", "repl.py")
+# The program that runs inside and the one module it imports, shipped inside this package
+# (a checkout and an installed wheel alike). Only these two files are bound into the jail.
+GUEST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
+REPL_PATH = os.path.join(GUEST_DIR, "repl.py")
+GUEST_FILES = ("repl.py", "wire.py")
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +329,8 @@ def bwrap_argv(cfg: SandboxConfig, fd: int, seccomp_fd: int | None = None,
     if interp.soname and interp.soname != os.path.basename(interp.libpython):
       argv += ["--symlink", os.path.basename(interp.libpython), f"{py_lib}/{interp.soname}"]
     argv += ["--setenv", "LD_LIBRARY_PATH", py_lib]
-  argv += ["--ro-bind", REPL_PATH, f"{JAIL_DIR}/repl.py"]
+  for name in GUEST_FILES:
+    argv += ["--ro-bind", os.path.join(GUEST_DIR, name), f"{JAIL_DIR}/{name}"]
   for p in cfg.extra_ro_paths:
     argv += ["--ro-bind", p, p]
   # /dev is a tmpfs of its own with a world-writable /dev/shm in it, bounded by nothing: it is

@@ -1,12 +1,12 @@
 """One running REPL process and the host end of its fd protocol.
 
-The wire format is described in ``sandbox/repl.py``: 4-byte big-endian length + JSON, on a
-UNIX socketpair whose far end is the REPL's only channel to the host. Everything that comes
-from the sandbox is untrusted and any breach of the protocol ends the sandbox: a frame must
-start with `{"op": "<known op>"`, within that op's size limit, checked before the rest of the
-frame is read or parsed (so a frame costs the event loop at most one parse of a bounded
-size); a completion must answer the request in flight; nothing may follow the ready message
-before the host asks. Tool calls in flight are bounded in number and in bytes.
+The frames are those of ``rao_jax/sandbox_host/guest/wire.py`` (a length header + JSON), which
+the REPL uses too, on a UNIX socketpair whose far end is the REPL's only channel to the host.
+Everything that comes from the sandbox is untrusted and any breach of the protocol ends the
+sandbox: a frame must start with `{"op": "<known op>"`, within that op's size limit, checked
+before the rest of the frame is read or parsed (so a frame costs the event loop at most one
+parse of a bounded size); a completion must answer the request in flight; nothing may follow
+the ready message before the host asks. Tool calls in flight are bounded in number and in bytes.
 
 Between requests the REPL process is stopped (SIGSTOP through a pidfd; it is continued right
 before the next request is written), so nothing the agent's code left behind (a thread, or
@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 from rao_jax.sandbox_host import jail
 from rao_jax.sandbox_host.config import SandboxConfig
+from rao_jax.sandbox_host.guest import wire
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ _warned_process_mode = False
 # Frames other than tool calls are small; "done" carries the cell's output (max_output_chars
 # characters, up to 4 bytes each in UTF-8, JSON escapes up to 6) plus a short traceback.
 _SMALL_FRAME = 64 * 1024
-_OPS = ("ready", "fatal", "done", "vars_done", "tool", "cancel")
-_PREFIX = b'{"op": "'
 
 
 class SandboxSpawnError(RuntimeError):
@@ -62,11 +61,6 @@ def is_async_callable(fn: Any) -> bool:
     fn = fn.func
   return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
       getattr(fn, "__call__", None))
-
-
-def _encode(msg: Mapping[str, Any]) -> bytes:
-  data = json.dumps(msg).encode("utf-8")
-  return len(data).to_bytes(4, "big") + data
 
 
 class ReplProcess:
@@ -206,6 +200,7 @@ class ReplProcess:
     sock.setblocking(False)
     buf = bytearray()
     creds = None
+    head = wire.HEADER_BYTES
     while True:
       try:
         data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
@@ -219,15 +214,15 @@ class ReplProcess:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and creds is None:
           creds = struct.unpack("3i", cdata[:12])
       buf += data
-      if len(buf) >= 4:
-        size = int.from_bytes(buf[:4], "big")
+      if len(buf) >= head:
+        size = wire.frame_size(buf[:head])
         if size > _SMALL_FRAME:
           self._violation(f"a first message of {size} bytes")
           raise SandboxDied(self.dead_reason)
-        if len(buf) >= 4 + size:
+        if len(buf) >= head + size:
           break
     try:
-      msg = json.loads(bytes(buf[4:4 + size]))
+      msg = json.loads(bytes(buf[head:head + size]))
     except (ValueError, RecursionError):
       msg = None
     if not isinstance(msg, dict) or msg.get("op") not in ("ready", "fatal"):
@@ -236,7 +231,7 @@ class ReplProcess:
     if msg["op"] == "fatal":
       self._mark_dead(f"the REPL could not complete its jail: {str(msg.get('error'))[:2000]}")
       raise SandboxDied(self.dead_reason)
-    if len(buf) > 4 + size:
+    if len(buf) > head + size:
       self._violation("bytes after its ready message")
       raise SandboxDied(self.dead_reason)
     if creds is None:
@@ -350,7 +345,7 @@ class ReplProcess:
     if self._writer is None or self.dead_reason:
       raise SandboxDied(self.dead_reason or "not started")
     try:
-      self._writer.write(_encode(msg))
+      self._writer.write(wire.encode(msg))
       await self._writer.drain()
     except (ConnectionError, OSError) as e:
       self._mark_dead(f"the protocol channel broke: {e!r}")
@@ -450,14 +445,11 @@ class ReplProcess:
     limits = self._frame_limits()
     try:
       while True:
-        head = await reader.readexactly(4)
-        size = int.from_bytes(head, "big")
+        size = wire.frame_size(await reader.readexactly(wire.HEADER_BYTES))
         # The op is read and checked before the rest: an unknown op or an oversized frame
         # ends the sandbox without the host reading, let alone parsing, its body.
-        prefix = await reader.readexactly(min(size, len(_PREFIX) + 10))
-        end = prefix.find(b'"', len(_PREFIX))
-        op = prefix[len(_PREFIX):end].decode("ascii", "replace") if (
-            prefix.startswith(_PREFIX) and end > 0) else None
+        prefix = await reader.readexactly(min(size, wire.OP_PEEK_BYTES))
+        op = wire.op_of(prefix)
         if op not in limits:
           self._violation("a message that does not start with a known op")
           return
@@ -598,9 +590,9 @@ class ReplProcess:
       if inspect.isawaitable(result):
         result = await result
       try:
-        reply = _encode({"op": "reply", "rid": rid, "ok": True, "value": result})
+        reply = wire.encode({"op": "reply", "rid": rid, "ok": True, "value": result})
       except (TypeError, ValueError) as e:
-        reply = _encode({"op": "reply", "rid": rid, "ok": False,
+        reply = wire.encode({"op": "reply", "rid": rid, "ok": False,
                          "error": f"TypeError: tool {name} returned a value that is not "
                                   f"JSON-serialisable ({type(result).__name__}): {e}"})
     except asyncio.CancelledError:
@@ -608,7 +600,7 @@ class ReplProcess:
     except Exception as e:  # pylint: disable=broad-except
       # A tool's failure is an observation for the agent, not a host error.
       log.debug("tool %s raised %r", name, e)
-      reply = _encode({"op": "reply", "rid": rid, "ok": False,
+      reply = wire.encode({"op": "reply", "rid": rid, "ok": False,
                        "error": f"{type(e).__name__}: {e}"})
     finally:
       if self._tool_tasks.get(rid) is asyncio.current_task():

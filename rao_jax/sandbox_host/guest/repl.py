@@ -1,7 +1,8 @@
 """The REPL that runs agents' code inside the jail.
 
 This program is untrusted territory: it runs the policy's Python and therefore never imports
-rao_jax, only the standard library. The host (``rao_jax.sandbox_host``) starts it, usually
+rao_jax, only the standard library and `wire.py`, which lies beside it in the package and in
+the jail (/sandbox). The host (``rao_jax.sandbox_host``) starts it, usually
 under bubblewrap, as
 
     python -I -S -B repl.py fd=N memory_mb=.. file_size_mb=.. open_files=.. processes=..
@@ -10,22 +11,7 @@ under bubblewrap, as
                             seccomp_after_ready=<hex BPF program>
 
 and speaks to it over ONE dedicated file descriptor (a UNIX socketpair end, number N), never
-over stdout: frames of a 4-byte big-endian length followed by a JSON object.
-
-    host -> repl   {"op": "run", "id": NONCE, "code": str, "tools": [[name, is_async], ...],
-                    "max_output": int}
-                   {"op": "vars", "id": NONCE, "vars": {name: json value}}
-                   {"op": "reply", "rid": RID, "ok": bool, "value": json | "error": str}
-    repl -> host   {"op": "ready", "pid": int, "seccomp": bool, "limits": {...}}
-                   {"op": "fatal", "error": str}   (the jail could not be completed)
-                   {"op": "tool", "cell": NONCE, "rid": RID, "name": str, "args": [...],
-                    "kwargs": {...}}
-                   {"op": "cancel", "rid": RID}
-                   {"op": "done", "id": NONCE, "output": str, "error": str | null}
-
-NONCE is chosen by the host for every cell and RID by this program for every tool request, so
-a reply is matched to its request and anything the agent's code prints (fd 1 and fd 2 end up
-in a pipe that this program reads into the cell's output) can never pass for a message.
+over stdout, in the frames that `wire.py` (beside this file) defines for both sides.
 
 Start-up order matters: limits and the seccomp filter(s) are installed before any thread
 exists, because a seccomp filter only applies to the thread that loads it and to threads
@@ -36,6 +22,11 @@ import builtins as _builtins_module
 import os
 import sys
 
+# -I leaves this file's folder off sys.path; the protocol module lies beside it.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wire  # pylint: disable=wrong-import-position
+del sys.path[0]  # the agent's imports never look into the REPL's folder
+
 # The REPL's own functions look builtins up in this private copy (a function captures its
 # module's __builtins__ when it is created), so agent code that deletes or replaces builtins
 # (`del builtins.len`) cannot break the protocol, even in the threads that run during a cell.
@@ -45,6 +36,9 @@ __builtins__ = dict(_builtins_module.__dict__)
 # protocol in the middle of a cell.
 _write = os.write
 _read = os.read
+_frame = wire.frame
+_frame_size = wire.frame_size
+_HEADER = wire.HEADER_BYTES
 
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
@@ -164,7 +158,7 @@ def main():
     # Never run agent code in a half-built jail; tell the host why (stderr is gone already).
     text = repr(f"{type(e).__name__}: {e}")[1:-1].replace('"', "'")
     data = ('{"op": "fatal", "error": "%s"}' % text).encode()
-    _write(fd, len(data).to_bytes(4, "big") + data)
+    _write(fd, _frame(data))
     os._exit(1)
   after_ready = cfg.get("seccomp_after_ready", "")
   # The ready message is written by hand: json and the cell machinery are imported after it,
@@ -172,8 +166,7 @@ def main():
   ready = ('{"op": "ready", "pid": %d, "seccomp": %s, "limits": {%s}}' % (
       os.getpid(), "true" if (bpf or after_ready) else "false",
       ", ".join('"%s": %d' % kv for kv in sorted(limits.items()))))
-  data = ready.encode()
-  _write(fd, len(data).to_bytes(4, "big") + data)
+  _write(fd, _frame(ready.encode()))
   if after_ready:
     # Under bwrap, bwrap installed the main filter before starting this interpreter (it
     # still had to exec it); the exec rules come now, on the only thread, before anything
@@ -378,8 +371,7 @@ class _Repl:
 
   def send(self, obj):
     self._restore_builtins()
-    data = _dumps(obj).encode("utf-8")
-    frame = len(data).to_bytes(4, "big") + data
+    frame = _frame(_dumps(obj).encode("utf-8"))
     with self.send_lock:
       view = memoryview(frame)
       while view:
@@ -400,10 +392,10 @@ class _Repl:
     """Reader thread: tool replies go straight to their waiter, commands to the main thread."""
     try:
       while True:
-        head = self._read_exact(4)
+        head = self._read_exact(_HEADER)
         if head is None:
           break
-        body = self._read_exact(int.from_bytes(head, "big"))
+        body = self._read_exact(_frame_size(head))
         if body is None:
           break
         try:
