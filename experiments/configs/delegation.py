@@ -38,13 +38,14 @@ def get_config(arg: str | None = None):
   c.agent.max_steps_per_agent = 1
   c.agent.max_depth = 1                 # the root's helpers answer; they cannot delegate
   c.agent.tree_step_budget = 0          # the task's own budget (k + 2 steps)
-  c.rl.group_size = 8
+  c.rl.group_size = 6
   c.rl.tasks_per_step = 4
   c.optim.lr = 2e-3                     # as the micro-run (a 2-layer D=64 model)
   c.optim.warmup_steps = 2
   c.learner.micro_batch_rows = 8
-  c.learner.bucket_rows = (48, 96)      # one row per node: up to 32 roots + 64 helpers
-  c.rollout.num_slots = 48
+  c.learner.bucket_rows = (72,)         # one row per node: up to 24 roots + 48 helpers; one
+                                        # bucket, one compilation
+  c.rollout.num_slots = 48              # every node of a step's 24 trees at once (up to 72)
   c.rollout.max_cache_len = 320
   c.sandbox.pool_size = 24
   c.ckpt.every = 1000                   # the trainer still saves at the end
@@ -71,3 +72,38 @@ def setup(workdir: str, arg: str | None = None, **warm_start):
     demo_cfg = X.runner_config(c, recursive=True)
     micro_policy.build_policy(c.model.name, demo_cfg, X.make_env(c), seed=c.seed, **warm_start)
   return c
+
+
+# What "RAO teaches delegation" means for a run against its lr=0 control (same seeds, hence the
+# same tasks at every step): over the last END steps against the first START, the trained
+# run's success and delegating share must each rise MARGIN more than the control's, and lead
+# the control's by MARGIN at the end. The start window is short because delegation moves
+# within a few steps.
+START, END, MARGIN = 5, 10, 0.2
+
+
+def learning_verdict(trained: dict, control: dict) -> dict:
+  """Figures and pass/fail of a trained run against its control.
+
+  Args:
+    trained, control: {"success": per-step train success, "delegating": per-step share of
+      trees whose root delegated}.
+
+  Returns:
+    {"<metric>_gain", "<metric>_lead" for success and delegating, "passes", "report"}.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  out, lines = {}, []
+  ok = True
+  for key in ("success", "delegating"):
+    t, c = np.asarray(trained[key], float), np.asarray(control[key], float)
+    rise = t[-END:].mean() - t[:START].mean()
+    c_rise = c[-END:].mean() - c[:START].mean()
+    lead = t[-END:].mean() - c[-END:].mean()
+    out[f"{key}_gain"], out[f"{key}_lead"] = float(rise - c_rise), float(lead)
+    ok = ok and rise - c_rise >= MARGIN and lead >= MARGIN
+    lines.append(f"{key}: trained {np.round(t, 2).tolist()}\n  control {np.round(c, 2).tolist()}\n"
+                 f"  gain over control {rise - c_rise:+.3f}, lead at the end {lead:+.3f}")
+  out["passes"] = bool(ok)
+  out["report"] = "\n".join(lines)
+  return out

@@ -1,0 +1,104 @@
+"""RAO teaches delegation: on tasks one agent cannot hold, the real loop raises both root success
+and the share of trees that delegate, beyond an lr=0 control.
+
+The environment (`rao_jax/envs/delegation.py`, config `experiments/configs/delegation.py`):
+a task names k = 2 digits and is solved by finishing with both; every agent has one turn of
+one token, so one agent answers at most one part (1/k, success 0: measured below), while a
+root that emits the one-token delegation cell launches a helper per part, and a helper given
+one part answers it with one token. The warm start (`experiments/micro_policy.py`) delegates
+about half the time and its helpers answer about 40% of parts, so root success starts near
+0.1 and both decisions have room.
+
+`trainer.Trainer` runs it as `experiments.train` would (embedded engine, bwrap sandboxes,
+verifiers for roots and helpers, leave-one-out advantages, depth weights, packing, the jitted
+learner step, weight sync), then the same run at lr=0 on the same seed (the same tasks at
+every step). `experiments.configs.delegation.learning_verdict` compares them: over the last 10
+of 30 steps against the first 5, success and delegating share must each gain 0.2 over the
+control and lead it by 0.2 at the end.
+
+Figures (seed 0, this file's settings; `benchmarks/bench_rao_ablations.py` measures them over
+seeds, and its `test_passes` field applies this very verdict to each variant):
+  full RAO               passes   (see benchmarks/results/rao_ablations.json)
+  (a) root-only training, (b) children's baselines shuffled across groups, (c) advantage sign
+  flipped: each fails the verdict; their figures are in the ablation results' `breakages`.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments.configs import delegation as cfg_lib
+
+
+def _curves(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  rows = [r for r in rows if "train/success" in r]
+  return {"success": [r["train/success"] for r in rows],
+          "delegating": [r.get("train/delegating_share", 0.0) for r in rows]}
+
+
+def test_one_agent_answers_at_most_one_part_and_helpers_solve_the_task():
+  # The scripted policies measure the environment's caps through the real runtime: the best
+  # single agent (the first digit) gets 1/k of the parts and no task; delegating roots with
+  # right helpers solve every task.
+  from experiments import micro_policy
+  from rao_jax import experiment as X
+  from rao_jax.envs import delegation
+  for k in (2, 3):
+    c = cfg_lib.get_config(f"parts={k}")
+    env = X.make_env(c)
+    tok = micro_policy.tokenizer_for(env)
+    for cell in delegation.CELLS:
+      assert len(tok.encode(cell)) == 1, cell
+    tasks = env.tasks("test")[:6]
+
+    def policy(p_delegate):
+      rng = np.random.default_rng(0)
+      return lambda text, n: delegation.demonstration(micro_policy.user_goal(text), rng,
+                                                      p_delegate)
+    single = micro_policy.grow_trees(env, tok, X.runner_config(c, recursive=False), tasks,
+                                     policy(0.0))
+    assert [t.nodes[0].success for t in single] == [0.0] * len(tasks)
+    assert [t.meta["episode"]["parts_right"] for t in single] == [pytest.approx(1 / k)] * 6
+    # Even a single agent that could write the answer cell of a two-digit string cannot: its
+    # one token is one cell, and no cell finishes with more than one digit.
+    rec = micro_policy.grow_trees(env, tok, X.runner_config(c), tasks, policy(1.0))
+    assert [t.nodes[0].success for t in rec] == [1.0] * len(tasks)
+    assert all(len(t.nodes) == 1 + k and all(n.success == 1.0 for n in t.nodes) for t in rec)
+    # A helper that delegates in turn hits the depth limit and fails its part.
+    assert c.agent.max_depth == 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  from rao_jax import trainer
+  root = tmp_path_factory.mktemp("delegate")
+  out = {}
+  for name, lr in (("trained", None), ("control", 0.0)):
+    c = cfg_lib.setup(str(root))   # the policy folder is built once, then reused
+    if lr is not None:
+      c.optim.lr = lr
+    c.eval.every = 0               # the verdict reads the training curves
+    res = trainer.train(c, str(root / name))
+    assert res["step"] == c.total_steps and not res["stopped"]
+    out[name] = _curves(str(root / name))
+  with open(os.path.join(c.model.name, "warm_start.json")) as f:
+    out["warm_start"] = json.load(f)
+  return out
+
+
+@pytest.mark.slow
+def test_warm_start_delegates_sometimes_and_its_helpers_answer_sometimes(runs):
+  measured = runs["warm_start"]["measured"]
+  assert 0.2 <= measured["delegate"] <= 0.8, measured
+  assert 0.3 <= measured["child_right"] <= 0.7, measured
+  assert measured["success"] <= 0.35, measured
+
+
+@pytest.mark.slow
+def test_rao_raises_success_and_delegation_beyond_the_lr0_control(runs):
+  verdict = cfg_lib.learning_verdict(runs["trained"], runs["control"])
+  assert len(runs["trained"]["success"]) == len(runs["control"]["success"]) == 30
+  assert verdict["passes"], verdict["report"]
