@@ -1,9 +1,11 @@
-"""`make demo`: RAO raising success in a minute, then a real, short run of SmolLM2 on CPU.
+"""`make demo`: RAO teaching a tiny policy to delegate in minutes, then a real, short run of SmolLM2 on CPU.
 
-  [1/4] The micro-run (`experiments/configs/micro.py`): a tiny policy on a micro-environment
-        whose success RAO raises within a minute, through the real loop (engine, sandboxed
-        REPL, verifier, rewards, packing, jitted learner step, weight sync). Its curve is the
-        plot a new user should see rise.
+  [1/4] The delegation micro-run (`experiments/configs/delegation.py`): a tiny policy on
+        tasks of two parts where one agent can answer only one part, so a task is solved only
+        by delegating to helpers. Through the real loop (engine, sandboxed REPL, verifiers,
+        rewards, packing, jitted learner step, weight sync), RAO raises both the success and
+        the share of trees that delegate within a few minutes. Its curves are the plot a new
+        user should see rise.
   [2/4] SmolLM2-135M-Instruct on TextCraft-Synth easy tasks: a supervised warm start on the
         scripted policy's demonstrations (the starting model cannot use the tools at all).
   [3/4] Greedy evaluation of the warm start on held-out tasks.
@@ -35,18 +37,22 @@ def _mean(xs):
 
 
 def micro_run(root: str) -> dict:
-  """The fast learning run; returns its first/last success and its plot."""
-  from experiments.configs import micro  # pylint: disable=g-import-not-at-top
+  """The delegation micro-run; returns first/last success and delegating share, its plot."""
+  from experiments.configs import delegation  # pylint: disable=g-import-not-at-top
   from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top
-  c = micro.setup(root)
+  c = delegation.setup(root)
+  c.eval.every = 0   # the training curves are what this stage shows
   r = trainer.train(c, os.path.join(root, "rl"))
   rows = [m for m in metrics_lib.read_metrics(os.path.join(root, "rl", "metrics.jsonl"))
           if "train/success" in m]
-  succ = [m["train/success"] for m in rows]
-  k = max(1, len(succ) // 4)
-  return {"steps": len(succ), "success_first": _mean(succ[:k]), "success_last": _mean(succ[-k:]),
-          "window": k, "plot": r["plot"]}
+  k = max(1, len(rows) // 6)
+  out = {"steps": len(rows), "window": k, "plot": r["plot"]}
+  for key, name in (("train/success", "success"), ("train/delegating_share", "delegating"),
+                    ("train/rl/success/depth_1", "helpers")):
+    vals = [m.get(key) for m in rows]
+    out[f"{name}_first"], out[f"{name}_last"] = _mean(vals[:k]), _mean(vals[-k:])
+  return out
 
 
 def main(argv):
@@ -58,12 +64,13 @@ def main(argv):
   prepare_workdir(root)
   t0 = time.time()
 
-  print(f"[1/4] The micro-run: a tiny policy that RAO improves within a minute -> {root}/micro",
+  print(f"[1/4] The delegation micro-run: RAO teaches a tiny policy to delegate -> "
+        f"{root}/delegation", flush=True)
+  mic = micro_run(os.path.join(root, "delegation"))
+  print(f"      sampled trees, first {mic['window']} -> last {mic['window']} of {mic['steps']} "
+        f"steps: success {mic['success_first']:.2f} -> {mic['success_last']:.2f}, delegating "
+        f"{mic['delegating_first']:.2f} -> {mic['delegating_last']:.2f}; curves: {mic['plot']}",
         flush=True)
-  mic = micro_run(os.path.join(root, "micro"))
-  print(f"      success of the sampled trees: {mic['success_first']:.2f} in the first "
-        f"{mic['window']} steps -> {mic['success_last']:.2f} in the last {mic['window']} "
-        f"(of {mic['steps']}); curve: {mic['plot']}", flush=True)
 
   print(f"[2/4] SmolLM2-135M: supervised warm start on scripted demonstrations -> {root}/sft",
         flush=True)
@@ -93,7 +100,7 @@ def main(argv):
     smol[diff] = {"before_rl": round(b["success"], 3), "after_rl": round(a["success"], 3),
                   "num_tasks": a["num_tasks"]}
   outputs = {
-      "micro_plot": mic["plot"],
+      "delegation_plot": mic["plot"],
       "metrics": os.path.join(root, "rl", "metrics.jsonl"),
       "plot": rl["plot"],
       "checkpoints": os.path.join(root, "rl", "checkpoints"),
@@ -101,7 +108,7 @@ def main(argv):
       "evaluation_after_rl": os.path.join(after["out_dir"], "trees.html"),
       "evaluation": os.path.join(after["out_dir"], "results.json"),
   }
-  result = {"micro": {k: mic[k] for k in ("steps", "success_first", "success_last")},
+  result = {"delegation": {k: mic[k] for k in mic if k != "plot"},
             "smollm2_recursive": smol, "minutes": round((time.time() - t0) / 60, 1)}
   print(json.dumps(result))
   print_summary(mic, smol, outputs)
@@ -111,8 +118,11 @@ def main(argv):
 
 def print_summary(mic: dict, smol: dict, outputs: dict) -> None:
   print("\nSummary")
-  print(f"  micro-run: success {mic['success_first']:.2f} -> {mic['success_last']:.2f} over "
-        f"{mic['steps']} RL steps (mean of the first and of the last {mic['window']} steps)")
+  print(f"  delegation micro-run ({mic['steps']} RL steps, mean of the first and of the last "
+        f"{mic['window']}): success {mic['success_first']:.2f} -> {mic['success_last']:.2f}, "
+        f"share of trees that delegate {mic['delegating_first']:.2f} -> "
+        f"{mic['delegating_last']:.2f}, helpers' success {mic['helpers_first']:.2f} -> "
+        f"{mic['helpers_last']:.2f} (one agent alone answers at most half a task)")
   for diff, r in smol.items():
     print(f"  SmolLM2-135M, recursive, {diff}: held-out success {r['before_rl']:.2f} before RL, "
           f"{r['after_rl']:.2f} after 2 RL steps, on {r['num_tasks']} tasks (too few steps and "

@@ -68,7 +68,8 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -
   rows = read_metrics(path)
   if keys is None:
     keys = sorted({k for r in rows for k in r
-                   if k != "step" and ("reward" in k or "success" in k) and "depth" not in k})
+                   if k != "step" and ("reward" in k or "success" in k or
+                                       k.endswith("delegating_share")) and "depth" not in k})
   series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
   series = {k: v for k, v in series.items() if v}
   if not series:
