@@ -207,6 +207,97 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       ckpt_keep=int(config.ckpt.keep))
 
 
+# -- the RL loop ---------------------------------------------------------------------------------
+
+DEADLINE_RULES = ("unfinished", "drop_group")
+RATIO_LOSSES = ("ppo_clip", "cispo")   # the losses that correct one-step-stale samples
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """What the RL loop (`rao_jax.trainer`) reads of `config.rl` and `config.total_steps`.
+
+  The learner's part of `config.rl` (loss coefficients, advantages) is `learner_config`'s.
+  Errors name the config key, its value and the fix.
+
+  Attributes:
+    total_steps: RL steps of the run (one learner update each).
+    group_size: K trees per task; the leave-one-out baseline needs K >= 2.
+    tasks_per_step: root tasks per step.
+    loss: the learner's loss (overlap needs one with an importance ratio).
+    overlap: roll out step s+1 on the weights of step s while step s trains.
+    max_staleness: weight versions a sample may lag before its batch is re-collected.
+    max_nonfinite_steps: non-finite updates in a row (each skipped) that stop the run.
+    infra_retries: re-runs of a tree whose engine or sandbox failed.
+    rollout_deadline_s: seconds per step's rollouts before trees are cut; 0 = no deadline.
+    deadline_rule: cut trees are scored as they stand ("unfinished") or drop their group
+      ("drop_group").
+  """
+  total_steps: int
+  group_size: int = 8
+  tasks_per_step: int = 4
+  loss: str = "rao"
+  overlap: bool = False
+  max_staleness: int = 1
+  max_nonfinite_steps: int = 3
+  infra_retries: int = 1
+  rollout_deadline_s: float = 0.0
+  deadline_rule: str = "unfinished"
+
+  def __post_init__(self):
+    def key(name):
+      return "config.total_steps" if name == "total_steps" else f"config.rl.{name}"
+    for name, low in (("total_steps", 0), ("group_size", 2), ("tasks_per_step", 1),
+                      ("max_staleness", 0), ("max_nonfinite_steps", 1), ("infra_retries", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"{key(name)}={value!r} must be an integer >= {low}.")
+      object.__setattr__(self, name, int(value))
+    if self.group_size < 2:
+      raise ValueError(f"config.rl.group_size={self.group_size}: the leave-one-out baseline "
+                       "needs K >= 2 trees per task; set --config.rl.group_size=2 or more.")
+    for name, low, why in (
+        ("total_steps", 0, "RL steps of the run"),
+        ("tasks_per_step", 1, "root tasks per step"),
+        ("max_staleness", 0, "weight versions a sample may lag"),
+        ("max_nonfinite_steps", 1, "non-finite updates in a row that stop the run"),
+        ("infra_retries", 0, "re-runs of a tree whose infrastructure failed")):
+      if getattr(self, name) < low:
+        raise ValueError(f"{key(name)}={getattr(self, name)}: must be >= {low} ({why}).")
+    if not isinstance(self.overlap, (bool, np.bool_)):
+      raise ValueError(f"config.rl.overlap={self.overlap!r}: use True or False.")
+    object.__setattr__(self, "overlap", bool(self.overlap))
+    if self.overlap and self.loss not in RATIO_LOSSES:
+      raise ValueError(
+          f"config.rl.overlap=True samples one step off-policy; config.rl.loss={self.loss!r} "
+          "has no importance ratio. Use --config.rl.loss=ppo_clip or cispo.")
+    if isinstance(self.rollout_deadline_s, bool) or not isinstance(
+        self.rollout_deadline_s, (int, float, np.integer, np.floating)) \
+        or not self.rollout_deadline_s >= 0:
+      raise ValueError(f"config.rl.rollout_deadline_s={self.rollout_deadline_s!r}: use a number "
+                       "of seconds > 0, or 0 for no deadline.")
+    object.__setattr__(self, "rollout_deadline_s", float(self.rollout_deadline_s))
+    if self.deadline_rule not in DEADLINE_RULES:
+      raise ValueError(f"config.rl.deadline_rule={self.deadline_rule!r}: use one of "
+                       f"{DEADLINE_RULES}.")
+
+  @property
+  def deadline_s(self) -> float | None:
+    """Seconds per step's rollouts, None for no deadline."""
+    return self.rollout_deadline_s if self.rollout_deadline_s > 0 else None
+
+
+def rl_config(config) -> RLConfig:
+  """The RL loop's typed settings from `config.rl` and `config.total_steps`."""
+  rl = config.rl
+  return RLConfig(
+      total_steps=config.total_steps, group_size=rl.group_size,
+      tasks_per_step=rl.tasks_per_step, loss=rl.loss, overlap=rl.overlap,
+      max_staleness=rl.max_staleness, max_nonfinite_steps=rl.max_nonfinite_steps,
+      infra_retries=rl.infra_retries, rollout_deadline_s=rl.rollout_deadline_s,
+      deadline_rule=rl.deadline_rule)
+
+
 def make_engine(config, model, tokenizer):
   """The rollout engine of `config.rollout.engine`, serving `model`'s current weights."""
   kind = config.rollout.engine

@@ -57,6 +57,7 @@ import numpy as np
 from rao_jax import experiment as X
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
+from rao_jax.experiment import DEADLINE_RULES, RLConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,6 @@ class _StopRequested(Exception):
 
 class TrainingDivergedError(RuntimeError):
   """Too many non-finite updates in a row; the last finite state was checkpointed."""
-
-
-DEADLINE_RULES = ("unfinished", "drop_group")
 
 
 def infra_error(tree: R.TreeRecord) -> str | None:
@@ -186,41 +184,22 @@ class _Stopper:
     raise _StopRequested()
 
 
-def _validate(config) -> None:
-  # Unknown keys are the entry point's check (experiments.configs.base.check_keys): the schema
-  # lives with the configs, above this package.
-  if int(config.rl.group_size) < 2:
-    raise ValueError(
-        f"config.rl.group_size={config.rl.group_size}: the leave-one-out baseline needs K >= 2 "
-        "trees per task; set --config.rl.group_size=2 or more.")
-  if config.rl.overlap and config.rl.loss not in ("ppo_clip", "cispo"):
-    raise ValueError(
-        f"config.rl.overlap=True samples one step off-policy; config.rl.loss={config.rl.loss!r} "
-        "has no importance ratio. Use --config.rl.loss=ppo_clip or cispo.")
-  if config.rl.deadline_rule not in DEADLINE_RULES:
-    raise ValueError(f"config.rl.deadline_rule={config.rl.deadline_rule!r}: use one of "
-                     f"{DEADLINE_RULES}.")
-  if float(config.rl.rollout_deadline_s) < 0:
-    raise ValueError(f"config.rl.rollout_deadline_s={config.rl.rollout_deadline_s}: use a number "
-                     "of seconds > 0, or 0 for no deadline.")
-  if int(config.rl.max_nonfinite_steps) < 1:
-    raise ValueError(f"config.rl.max_nonfinite_steps={config.rl.max_nonfinite_steps}: must be "
-                     ">= 1 (non-finite updates in a row that stop the run).")
-  import jax  # pylint: disable=g-import-not-at-top
-  if config.rl.overlap and jax.process_count() > 1:
+def _validate(rl: RLConfig, num_processes: int) -> None:
+  """What the typed config cannot know alone: the run's processes. (Unknown keys are the entry
+  point's check, experiments.configs.base.check_keys: the schema lives with the configs.)"""
+  if rl.overlap and num_processes > 1:
     raise ValueError("config.rl.overlap=True with several processes: the next step's rollouts "
                      "would exchange trees while the learner step runs its collectives; use "
                      "--config.rl.overlap=False for multi-host runs.")
-  if int(config.rl.infra_retries) < 0:
-    raise ValueError(f"config.rl.infra_retries={config.rl.infra_retries}: must be >= 0.")
 
 
 class Trainer:
   """Holds the parts of one run; `run()` is the loop."""
 
   def __init__(self, config, workdir: str):
-    _validate(config)
     import jax  # pylint: disable=g-import-not-at-top
+    self.rl = X.rl_config(config)
+    _validate(self.rl, jax.process_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
     self.process, self.num_processes = jax.process_index(), jax.process_count()
     self.main = self.process == 0
@@ -305,16 +284,15 @@ class Trainer:
   async def collect(self, runner, step: int
                     ) -> tuple[list[R.TreeRecord], X.RolloutStats, list[R.TreeRecord], dict]:
     """(trees to train on, stats, every tree run, fault counters) of step `step`."""
-    c = self.config
-    tasks = X.train_tasks_for_step(self.train_tasks, step, int(c.rl.tasks_per_step),
-                                   int(c.env.train_seed))
+    rl = self.rl
+    tasks = X.train_tasks_for_step(self.train_tasks, step, rl.tasks_per_step,
+                                   int(self.config.env.train_seed))
     tasks = process_share(tasks, self.process, self.num_processes)
     t0 = time.perf_counter()
-    limit = float(c.rl.rollout_deadline_s)
-    deadline = t0 + limit if limit > 0 else None
+    deadline = t0 + rl.deadline_s if rl.deadline_s else None
     groups = await asyncio.gather(*(
-        collect_group(runner, task, int(c.rl.group_size), deadline=deadline,
-                      infra_retries=int(c.rl.infra_retries), deadline_rule=c.rl.deadline_rule)
+        collect_group(runner, task, rl.group_size, deadline=deadline,
+                      infra_retries=rl.infra_retries, deadline_rule=rl.deadline_rule)
         for task in tasks))
     wall = time.perf_counter() - t0
     trees = [t for kept, _, _ in groups for t in kept]
@@ -362,13 +340,13 @@ class Trainer:
     await repls.start()
     runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls,
                            judge=X.make_judge(c, "train", self.engine, self.tokenizer))
-    total = int(c.total_steps)
+    total = self.rl.total_steps
     step = self.start_step
     last_eval: dict[str, float] = {}
     self.sync_weights(step)
     await self._finish_sync()
     bar = _progress(total, step, enabled=c.log.progress)
-    guard = NonFiniteGuard(int(c.rl.max_nonfinite_steps))
+    guard = NonFiniteGuard(self.rl.max_nonfinite_steps)
     fault_totals = collections.Counter()
     next_batch = None
     stopped = False
@@ -382,9 +360,9 @@ class Trainer:
           next_batch = None
           versions = [int(n.weight_version or 0) for t in trees for n in t.nodes]
           stale = step - min(versions) if versions else 0
-          if stale > int(c.rl.max_staleness):
+          if stale > self.rl.max_staleness:
             log.warning("Step %d: batch %d versions stale (> max_staleness=%d); re-collecting.",
-                        step, stale, c.rl.max_staleness)
+                        step, stale, self.rl.max_staleness)
             trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
         staleness = record_staleness(every, step)
         if self.main:
@@ -392,7 +370,7 @@ class Trainer:
         fault_totals.update(faults)
 
         batch, adv = self.learner.prepare(trees) if trees else (None, None)
-        if c.rl.overlap and step + 1 < total:
+        if self.rl.overlap and step + 1 < total:
           next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
         t_learn = time.perf_counter()
         if batch is not None and batch.stats.get("nodes_packed", 0) > 0:
@@ -436,7 +414,7 @@ class Trainer:
         if guard.diverged:
           raise TrainingDivergedError(
               f"{guard.in_row} non-finite updates in a row (steps {step - guard.in_row} to "
-              f"{step - 1}, config.rl.max_nonfinite_steps={c.rl.max_nonfinite_steps}); each was "
+              f"{step - 1}, config.rl.max_nonfinite_steps={self.rl.max_nonfinite_steps}); each was "
               "refused, so the parameters are those of the last finite update "
               f"({self.learner.step_count} applied), saved in {self.learner.cfg.ckpt_dir} at "
               f"step {step}. Lower --config.optim.lr, check the rollout log-probs and rewards "

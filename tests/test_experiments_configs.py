@@ -45,16 +45,46 @@ def test_group_size_one_is_a_configuration_error():
   c = textcraft_synth.get_config("recursive,smoke")
   c.rl.group_size = 1
   with pytest.raises(ValueError, match="group_size=1.*K >= 2"):
-    trainer._validate(c)  # pylint: disable=protected-access
+    X.rl_config(c)
 
 
 def test_overlap_needs_a_ratio_loss():
   c = textcraft_synth.get_config("recursive,smoke")
   c.rl.overlap = True
   with pytest.raises(ValueError, match="ppo_clip or cispo"):
-    trainer._validate(c)  # pylint: disable=protected-access
+    X.rl_config(c)
   c.rl.loss = "ppo_clip"
-  trainer._validate(c)  # pylint: disable=protected-access
+  assert X.rl_config(c).overlap is True
+  with pytest.raises(ValueError, match="overlap=True with several processes"):
+    trainer._validate(X.rl_config(c), num_processes=2)  # pylint: disable=protected-access
+  trainer._validate(X.rl_config(c), num_processes=1)  # pylint: disable=protected-access
+
+
+def test_rl_config_is_typed_frozen_and_names_key_value_and_fix():
+  c = textcraft_synth.get_config("recursive,smoke")
+  rl = X.rl_config(c)
+  assert (rl.total_steps, rl.group_size, rl.tasks_per_step) == (c.total_steps, c.rl.group_size,
+                                                               c.rl.tasks_per_step)
+  assert rl.deadline_s is None and isinstance(rl.rollout_deadline_s, float)
+  with pytest.raises(Exception, match="cannot assign"):
+    rl.group_size = 3
+  assert X.RLConfig(total_steps=1, rollout_deadline_s=30).deadline_s == 30.0
+  bad = [
+      (dict(group_size=4.0), r"config.rl.group_size=4.0 must be an integer >= 2"),
+      (dict(group_size=True), r"config.rl.group_size=True must be an integer"),
+      (dict(total_steps=-1), r"config.total_steps=-1: must be >= 0"),
+      (dict(tasks_per_step=0), r"config.rl.tasks_per_step=0: must be >= 1 \(root tasks"),
+      (dict(max_nonfinite_steps=0), r"config.rl.max_nonfinite_steps=0: must be >= 1"),
+      (dict(infra_retries=-1), r"config.rl.infra_retries=-1: must be >= 0"),
+      (dict(max_staleness="1"), r"config.rl.max_staleness='1' must be an integer"),
+      (dict(overlap="yes"), r"config.rl.overlap='yes': use True or False"),
+      (dict(rollout_deadline_s=-5), r"config.rl.rollout_deadline_s=-5: use a number of seconds"),
+      (dict(rollout_deadline_s="soon"), r"rollout_deadline_s='soon'"),
+      (dict(deadline_rule="wait"), r"config.rl.deadline_rule='wait': use one of"),
+  ]
+  for kw, msg in bad:
+    with pytest.raises(ValueError, match=msg):
+      X.RLConfig(**{"total_steps": 2, **kw})
 
 
 def test_bad_names_give_clear_errors():

@@ -226,7 +226,7 @@ def test_unknown_config_keys_are_rejected_with_the_valid_ones():
   c.rl.group_size = 2
   c.rl.deadline_rule = "wait"
   with pytest.raises(ValueError, match="deadline_rule"):
-    tr._validate(c)
+    tr.Trainer(c, "/nonexistent/never-created")
 
 
 @pytest.mark.slow
