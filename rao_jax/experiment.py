@@ -142,8 +142,10 @@ def load_policy(config):
   # and only where the CPU computes (see rao_jax/host_memory.py).
   host_memory.keep_freed_memory()
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
+  # A run's config.json written before config.model.kernels existed reads as "auto".
   return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype),
-                         param_dtype="float32", remat=config.model.remat)
+                         param_dtype="float32", remat=config.model.remat,
+                         kernels=config.model.get("kernels", "auto"))
 
 
 def make_mesh(spec: str):

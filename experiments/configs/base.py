@@ -31,6 +31,8 @@ def base_config() -> config_dict.ConfigDict:
   c.model.dtype = "auto"             # "auto": float32 on CPU, bfloat16 on GPU/TPU
   c.model.remat = "full"             # learner activation checkpointing: none | dots | full
                                      # (rows of 2K+ tokens need "full": attention is T x T)
+  c.model.kernels = "auto"           # CPU products and attention: auto (MKL on Intel CPUs) |
+                                     # mkl (any x86 CPU) | xla (ModelConfig.kernels)
 
   c.env = config_dict.ConfigDict()
   c.env.name = "textcraft_synth"     # textcraft | textcraft_synth | longcontext | search
