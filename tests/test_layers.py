@@ -26,6 +26,9 @@ LAYERS = [
     # Generation, the REPL sandbox and the learner: each needs the model at most, and none of
     # them knows the others.
     ["rao_jax.rollout", "rao_jax.sandbox_host", "rao_jax.learner"],
+    # The HTTP server: the engine behind SGLang's API, serving models or a run's checkpoint
+    # (read with the learner's checkpoint module).
+    ["rao_jax.rollout.serve"],
     ["rao_jax.envs"],                         # tasks, verifiers, judges (a judge generates)
     ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
     ["rao_jax.metrics"],                      # metrics files, plots, tree pages
@@ -41,11 +44,6 @@ EXCEPTIONS = [
     ("rao_jax.envs.longcontext_scripted", "rao_jax.agent.policies",
      "the scripted long-context and search demonstrators drive the agent's ScriptedTurnEngine; "
      "they belong beside agent.policies"),
-    ("rao_jax.rollout.serve", "rao_jax.evaluation",
-     "serve's --checkpoint loading reuses evaluation's checkpoint loader (issue 27: serve loads "
-     "checkpoints without evaluation)"),
-    ("rao_jax.rollout.serve", "rao_jax.testing",
-     "serve's --tiny test model comes from the test fixtures"),
 ]
 
 
@@ -156,7 +154,9 @@ def test_the_check_catches_an_upward_import_local_or_not(tmp_path):
 
 @pytest.mark.parametrize("module", ["rao_jax.rollout.base", "rao_jax.rollout", "rao_jax.learner",
                                     "rao_jax.model", "rao_jax.kernels", "rao_jax.agent.runner",
-                                    "rao_jax.envs.registry", "rao_jax.experiment"])
+                                    "rao_jax.envs.registry", "rao_jax.experiment",
+                                    "rao_jax.rollout.serve.schema",
+                                    "rao_jax.rollout.serve.openai_schema"])
 def test_light_modules_do_not_load_jax(module):
   # Host-side code (the agent runtime, a server's request shapes, reward arithmetic, config
   # building) imports these; package re-exports are lazy so that they do not load JAX, Flax or

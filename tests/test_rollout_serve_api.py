@@ -188,7 +188,8 @@ def test_sglang_sampling_options_and_refusals(srv):
   assert len(rep["output_ids"]) == 12
   # Fields this server does not implement: 400 naming the field.
   for body, field in (({"sampling_params": {"json_schema": "{}"}}, "json_schema"),
-                      ({"sampling_params": {"min_new_tokens": 2}}, "min_new_tokens"),
+                      ({"sampling_params": {"min_new_tokens": 20, "max_new_tokens": 12}},
+                       "min_new_tokens"),
                       ({"custom_logit_processor": "x"}, "custom_logit_processor"),
                       ({"lora_path": "a"}, "lora_path"),
                       ({"sampling_params": {"bogus": 1}}, "bogus"),
@@ -209,6 +210,69 @@ def test_sglang_sampling_options_and_refusals(srv):
   assert gen(srv, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
              )["meta_info"]["weight_version"] == "v2"
   requests.post(srv.url + "/update_weight_version", json={"new_version": "default"})
+
+
+@pytest.mark.slow
+def test_sglang_min_new_tokens(srv):
+  # A stop id that greedy decoding meets at its second token: without min_new_tokens the
+  # request ends there; with it, no stop ends it before min_new_tokens tokens, and the first
+  # stop id from then on does (SGLang's check_finished). The tokens are greedy's either way.
+  prompt = srv.tokenizer.encode(PROMPT)
+  free = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+  ids = gen(srv, {"input_ids": prompt, "sampling_params": free})["output_ids"]
+  stop_id = ids[1]
+  early = gen(srv, {"input_ids": prompt, "sampling_params": {**free, "stop_token_ids": [stop_id]}})
+  assert len(early["output_ids"]) <= 2
+  assert early["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+  for min_new in (6, 12):
+    out = gen(srv, {"input_ids": prompt, "sampling_params": {
+        **free, "stop_token_ids": [stop_id], "min_new_tokens": min_new}})
+    later = [k for k in range(min_new - 1, 12) if ids[k] == stop_id]
+    n = later[0] + 1 if later else 12
+    assert out["output_ids"] == ids[:n], (min_new, out["output_ids"], ids)
+    assert len(out["output_ids"]) >= min_new
+    want = ({"type": "stop", "matched": stop_id} if later else {"type": "length", "length": 12})
+    assert out["meta_info"]["finish_reason"] == want
+  # Stop strings wait for min_new_tokens too; streamed, the same answer.
+  text = srv.tokenizer.decode(ids, skip_special_tokens=True)
+  stop = srv.tokenizer.decode(ids[:2], skip_special_tokens=True)[-2:]
+  assert stop.strip() and text.find(stop) < len(srv.tokenizer.decode(ids[:3]))
+  body = {"input_ids": prompt, "sampling_params": {**free, "stop": stop}}
+  assert len(gen(srv, body)["output_ids"]) <= 3
+  body["sampling_params"]["min_new_tokens"] = 8
+  out = gen(srv, body)
+  assert len(out["output_ids"]) >= 8 and out["output_ids"] == ids[:len(out["output_ids"])]
+  with requests.post(srv.url + "/generate", stream=True, timeout=120,
+                     json={**body, "stream": True}) as r:
+    assert sse(r)[-1]["output_ids"] == out["output_ids"]
+
+
+@pytest.mark.slow
+def test_server_info_internal_states(srv):
+  def state():
+    info = requests.get(srv.url + "/get_server_info").json()
+    assert isinstance(info["internal_states"], list) and len(info["internal_states"]) == 1
+    return info["internal_states"][0]
+  state()                                      # starts a measuring interval
+  before = srv.engine.stats["decode_tokens"]
+  gen(srv, {"input_ids": srv.tokenizer.encode(PROMPT),
+            "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}})
+  s = state()
+  # 10 tokens: the first from prefill, 9 decode steps; the last step's count may land just
+  # after the answer (the engine counts once the step's tokens are delivered).
+  assert s["engine_stats"]["decode_tokens"] >= before + 8
+  assert s["last_gen_throughput"] > 0
+  assert s["memory_usage"]["token_capacity"] == 4 * 128
+  assert s["memory_usage"]["weight"] > 0
+  assert s["prefill_decode_size"] == 0 and s["engine_paused"] is False
+  assert s["weight_version"] == str(srv.engine.weight_version)
+  assert state()["last_gen_throughput"] == 0.0          # nothing generated since
+  requests.post(srv.url + "/pause_generation", json={"mode": "in_place"})
+  try:
+    assert state()["engine_paused"] is True
+  finally:
+    requests.post(srv.url + "/continue_generation")
+  assert state()["engine_paused"] is False
 
 
 @pytest.mark.slow

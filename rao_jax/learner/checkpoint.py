@@ -114,3 +114,63 @@ class Checkpointer:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
+
+
+def restore_params(directory: str, params, step: int | None = None) -> tuple[Any, int]:
+  """The policy parameters of a learner checkpoint, without the optimizer state.
+
+  Reads only the ``params.*`` arrays of a TrainState checkpoint (a partial restore: the
+  optimizer moments, twice the parameters' size, stay on disk), into ``params``' structure,
+  shardings and dtypes. What serving and evaluating a training run need; the learner itself
+  resumes with ``Learner.restore``.
+
+  Args:
+    directory: the checkpoint directory (``LearnerConfig.ckpt_dir``: a run's ``checkpoints/``).
+    params: the target: the parameter state of a model of the checkpoint's config
+      (``nnx.state(model, nnx.Param)``); its arrays give the shardings and dtypes.
+    step: the step to read; None reads the newest complete one.
+
+  Returns:
+    (params, step): the restored state, shaped like ``params``, and the step read.
+
+  Raises:
+    FileNotFoundError: no checkpoint, or no checkpoint of ``step``.
+    ValueError: the checkpoint's parameters do not match ``params`` (names or shapes).
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory {directory!r}: train first "
+                            "(python -m experiments.train --workdir=...).")
+  # A manager of its own: the learner's saves with the "standard" handler, and only the pytree
+  # handler restores part of a tree (the files are the same).
+  mngr = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+  try:
+    steps = sorted(mngr.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"No checkpoint in {directory!r}: train first "
+                              "(python -m experiments.train --workdir=...).")
+    if step is not None and step not in steps:
+      raise FileNotFoundError(f"step={step}: no such checkpoint in {directory!r}; available "
+                              f"steps: {steps}.")
+    step = steps[-1] if step is None else int(step)
+    flat, treedef = flatten_with_names({"params": params})
+    saved = mngr.item_metadata(step)["state"]
+    names = set(saved.keys()) if saved is not None and hasattr(saved, "keys") else set(flat)
+    missing = sorted(set(flat) - names)
+    if missing:
+      raise ValueError(f"Checkpoint step {step} in {directory!r} lacks parameters of this model: "
+                       f"{missing[:5]} (a different model config?).")
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                for k, v in flat.items()}
+    for k, v in abstract.items():
+      shape = tuple(saved[k].shape) if saved is not None and hasattr(saved[k], "shape") else None
+      if shape is not None and shape != tuple(v.shape):
+        raise ValueError(f"Checkpoint step {step}: {k} has shape {shape}, this model's has "
+                         f"{tuple(v.shape)} (a different model config?).")
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True)))
+  finally:
+    mngr.close()
+  restored = out["state"]
+  return jax.tree_util.tree_unflatten(treedef, [restored[k] for k in flat])["params"], step

@@ -1,0 +1,49 @@
+"""An SGLang-compatible and OpenAI-compatible HTTP server (aiohttp) over the embedded JAX engine.
+
+    python -m rao_jax.rollout.serve --model smollm2-135m --port 30000
+    python -m rao_jax.rollout.serve --checkpoint runs/x [--step N]    # a training run's weights
+
+SGLang-native endpoints in the shapes of SGLang 0.5.6 (``SGLANG_API.md``): /generate (single,
+batch, ``n`` samples, SSE streaming, stop strings, ``min_new_tokens``, prompt and top
+log-probs, ``max_new_tokens: 0`` scoring, min-p and penalties), /health, /health_generate,
+/get_model_info, /get_server_info (with ``internal_states``), /flush_cache, /abort_request,
+/update_weights_from_disk, /update_weight_version, /get_weight_version, /pause_generation,
+/continue_generation; and the OpenAI-compatible /v1/models, /v1/completions and
+/v1/chat/completions (chat template applied, streaming, ``n``, ``stop``, ``max_tokens``,
+``logprobs``). Invalid requests, and fields this server does not implement, get HTTP 400 naming
+the field: ``{"error": {"message": ...}}`` on the SGLang endpoints, OpenAI's ``{"error":
+{"message", "type", "param", "code"}}`` on /v1.
+
+Who owns what:
+
+    schema.py         request and response shapes as typed models (SGLang, admin); no web import
+    openai_schema.py  the OpenAI request bodies as typed models; no web import
+    protocol.py       ServedEngine: what the server needs from an engine
+    core.py           ServerCore: shared state, running one item (stops, min_new_tokens, scoring)
+    sse.py            Server-Sent Events
+    sglang_routes.py  /generate
+    openai_routes.py  /v1/*
+    admin_routes.py   health, info (internal_states), weights, flush, abort, pause, continue
+    server.py         Server: the routes as one aiohttp application
+    loading.py        pretrained, checkpoint and tiny models; the engine's stop ids
+    cli.py            the command line (engine flags generated from EngineConfig); __main__.py
+
+The package root is lazy: importing ``rao_jax.rollout.serve.schema`` loads neither aiohttp nor
+JAX.
+"""
+import importlib
+
+_LAZY = {"Server": "rao_jax.rollout.serve.server", "build_server": "rao_jax.rollout.serve.cli",
+         "main": "rao_jax.rollout.serve.cli", "ServedEngine": "rao_jax.rollout.serve.protocol",
+         "BadRequest": "rao_jax.rollout.serve.schema",
+         "parse_sampling": "rao_jax.rollout.serve.schema",
+         "parse_generate": "rao_jax.rollout.serve.schema"}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'rao_jax.rollout.serve' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

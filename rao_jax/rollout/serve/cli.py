@@ -1,0 +1,180 @@
+"""serve's command line: model source, HTTP options, and the engine flags, generated from
+``EngineConfig``'s fields so the engine has one set of defaults (EngineConfig's).
+
+    python -m rao_jax.rollout.serve --model smollm2-135m --port 30000
+    python -m rao_jax.rollout.serve --checkpoint runs/x [--step N]    # a training run's weights
+    python -m rao_jax.rollout.serve --tiny --num-slots 4 --chunk-sizes 16,64
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+import sys
+import typing
+
+from rao_jax.rollout import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# EngineConfig fields serve sets itself: the stops come from the tokenizer.
+_NOT_FLAGS = ("default_stop_token_ids",)
+
+
+def _field_docs() -> dict[str, str]:
+  """EngineConfig's ``Attributes:`` docstring entries, field -> text (the flags' help)."""
+  doc = EngineConfig.__doc__ or ""
+  docs, name = {}, None
+  for line in doc.split("Attributes:", 1)[-1].splitlines():
+    m = re.match(r"^    (\w+): (.*)$", line)
+    if m:
+      name, docs[m.group(1)] = m.group(1), m.group(2).strip()
+    elif name and line.startswith("      "):
+      docs[name] += " " + line.strip()
+  return {k: v.replace("%", "%%") for k, v in docs.items()}
+
+
+def _int_tuple(s: str) -> tuple[int, ...]:
+  """``"16,64,256"`` -> (16, 64, 256); ``""`` -> () (EngineConfig derives the buckets)."""
+  try:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers, e.g. 16,64"
+                                     ) from None
+
+
+def add_engine_flags(ap: argparse.ArgumentParser) -> None:
+  """Adds ``--num-slots``, ``--max-len``, ... one flag per EngineConfig field.
+
+  Int fields take an int, tuple fields a comma-separated list (empty: derived); the default
+  and the help are the field's.
+
+  Args:
+    ap: the parser to extend.
+  """
+  hints = typing.get_type_hints(EngineConfig)
+  docs = _field_docs()
+  group = ap.add_argument_group("engine (EngineConfig fields)")
+  for f in dataclasses.fields(EngineConfig):
+    if f.name in _NOT_FLAGS:
+      continue
+    flag = "--" + f.name.replace("_", "-")
+    tp = hints[f.name]
+    if tp is int:
+      kind, shown = int, str(f.default)
+    elif typing.get_origin(tp) is tuple and typing.get_args(tp)[0] is int:
+      kind, shown = _int_tuple, ",".join(map(str, f.default)) or "derived"
+    else:
+      raise TypeError(f"EngineConfig.{f.name}: type {tp} has no command-line form; add one "
+                      "to rao_jax/rollout/serve/cli.py.")
+    group.add_argument(flag, type=kind, default=f.default, dest=f.name,
+                       help=f"{docs.get(f.name, '')} (default: {shown})")
+
+
+def engine_config(args: argparse.Namespace, **fields) -> EngineConfig:
+  """The EngineConfig of parsed engine flags (``fields`` set the others, e.g. the stops).
+
+  Args:
+    args: parsed flags (``add_engine_flags``).
+    **fields: EngineConfig fields without a flag.
+
+  Returns:
+    The validated EngineConfig.
+  """
+  values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name not in _NOT_FLAGS}
+  return EngineConfig(**values, **fields)
+
+
+def parser() -> argparse.ArgumentParser:
+  """serve's argument parser."""
+  ap = argparse.ArgumentParser(
+      prog="python -m rao_jax.rollout.serve",
+      description="An SGLang- and OpenAI-compatible HTTP server over the embedded JAX engine.")
+  src = ap.add_mutually_exclusive_group()
+  src.add_argument("--model", default=None,
+                   help="registry name, .gguf file or HF folder (load_pretrained); default "
+                        "smollm2-135m")
+  src.add_argument("--checkpoint", default=None,
+                   help="a training run directory (has config.json and checkpoints/): serves "
+                        "its newest checkpoint (or --step)")
+  ap.add_argument("--step", type=int, default=None, help="checkpoint step with --checkpoint")
+  ap.add_argument("--tiny", action="store_true",
+                  help="serve a tiny random model of --model's architecture, with its "
+                       "tokenizer (tests, smoke runs)")
+  ap.add_argument("--host", default="127.0.0.1")
+  ap.add_argument("--port", type=int, default=30000)
+  ap.add_argument("--dtype", default=None, help="activation/param dtype (default per backend)")
+  ap.add_argument("--warmup", action="store_true", help="compile every shape before serving")
+  ap.add_argument("--weight-version", default="default",
+                  help="reported until a weight update sets another (SGLang's default)")
+  ap.add_argument("--served-model-name", default=None,
+                  help="the model id /v1/models reports (default: --model or --checkpoint)")
+  ap.add_argument("--preferred-sampling-params", default=None,
+                  help="JSON object of sampling_params defaults (SGLang's flag)")
+  add_engine_flags(ap)
+  return ap
+
+
+def build_server(argv=None):
+  """Parses serve's command line and loads the model: (Server, args), not yet listening.
+
+  Args:
+    argv: the arguments (default sys.argv[1:]).
+
+  Returns:
+    (Server, parsed args).
+  """
+  # JAX loads here, after the flags parsed (so --help and flag errors are instant).
+  from rao_jax.model import load_pretrained
+  from rao_jax.rollout.serve import loading
+  from rao_jax.rollout.serve.schema import BadRequest, parse_sampling
+  from rao_jax.rollout.serve.server import Server
+  ap = parser()
+  args = ap.parse_args(argv)
+  preferred = None
+  if args.preferred_sampling_params:
+    try:
+      preferred = json.loads(args.preferred_sampling_params)
+      parse_sampling(preferred, (), True)
+    except (ValueError, BadRequest) as e:
+      ap.error(f"--preferred-sampling-params: {e}")
+  try:
+    cfg = engine_config(args)
+  except ValueError as e:
+    ap.error(str(e))
+
+  from rao_jax.rollout import EmbeddedEngine
+  model_name = args.model or "smollm2-135m"
+  if args.checkpoint:
+    model, tokenizer, step = loading.load_run_checkpoint(args.checkpoint, args.step, args.dtype)
+    model_path = f"{args.checkpoint}@step{step}"
+  elif args.tiny:
+    model, tokenizer = loading.tiny_model(model_name, args.dtype)
+    model_path = model_name
+  else:
+    model, tokenizer = load_pretrained(model_name, dtype=args.dtype)
+    model_path = model_name
+  cfg = dataclasses.replace(cfg, default_stop_token_ids=loading.stop_ids(tokenizer))
+  engine = EmbeddedEngine(model, cfg, weight_version=args.weight_version)
+  if args.warmup:
+    log.info("warm-up compiled every shape in %.1f s", engine.warmup())
+  info = dict(vars(args))
+  info["model_type"] = getattr(getattr(model, "cfg", None), "model_type", None)
+  server = Server(engine, tokenizer, model_path=model_path,
+                  loader=loading.weights_loader(args.dtype), server_args=info,
+                  served_model_name=args.served_model_name or args.checkpoint or model_name,
+                  preferred_sampling_params=preferred)
+  return server, args
+
+
+def main(argv=None):
+  """Runs the server until interrupted."""
+  from aiohttp import web
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  server, args = build_server(argv)
+  print(f"rao_jax rollout server on http://{args.host}:{args.port}", file=sys.stderr,
+        flush=True)
+  web.run_app(server.app(), host=args.host, port=args.port, print=None)
