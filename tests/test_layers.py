@@ -35,6 +35,7 @@ LAYERS = [
     ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
     ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
     ["rao_jax.testing"],                      # test fixtures over any of the above
+    ["rao_jax.cli"],                          # console entry points (rao-train, ...) over the runs
     ["experiments"],                          # configs and entry points (not part of rao_jax)
 ]
 
