@@ -6,9 +6,17 @@ setup(
     version="0.1.0",
     description="Recursive Agent Optimization (RAO): RL for recursive LLM agents, in JAX",
     python_requires=">=3.11",
-    packages=find_packages(include=["rao_jax", "rao_jax.*", "experiments", "experiments.*"]),
+    # rao_jax only: experiments/ (configs, thin `python -m` wrappers, the demo) stays in the
+    # checkout; a top-level `experiments` package in site-packages would collide with others.
+    packages=find_packages(include=["rao_jax", "rao_jax.*"]),
     package_data={"rao_jax": ["envs/data/**/*", "envs/data/*", "kernels/csrc/*.cc", "kernels/csrc/*.h"]},
     include_package_data=True,
+    entry_points={"console_scripts": [
+        "rao-train = rao_jax.cli.train:run",
+        "rao-evaluate = rao_jax.cli.evaluate:run",
+        "rao-sft = rao_jax.cli.sft:run",
+        "rao-serve = rao_jax.rollout.serve:main",
+    ]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.11",

@@ -1,33 +1,8 @@
-r"""Supervised warm start from the scripted policy's demonstrations.
+"""Supervised warm start from a checkout: `python -m experiments.sft` runs `rao-sft`.
 
-  python -m experiments.sft --config=experiments/configs/textcraft_synth.py:recursive,train=easy \
-      --workdir=runs/sft --config.sft.steps=100
-  python -m experiments.train --config=...:recursive --workdir=runs/rl \
-      --config.ckpt.init_from=runs/sft
-
-Demonstrations are written to WORKDIR/demonstrations.jsonl (or read with --demos=FILE).
+Flags and examples: rao_jax/cli/sft.py (`--help` lists them).
 """
-import json
-
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
-from experiments import common
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, with an optional ':arg'.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where the SFT checkpoints go.")
-_DEMOS = flags.DEFINE_string("demos", None, "A tree JSONL file of demonstrations to train on.")
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv):
-  del argv
-  common.init_distributed()
-  from rao_jax import sft  # pylint: disable=g-import-not-at-top
-  print(json.dumps(sft.run_sft(_CONFIG.value, _WORKDIR.value, _DEMOS.value)))
-
+from rao_jax.cli import sft
 
 if __name__ == "__main__":
-  app.run(main)
+  sft.run()

@@ -1,33 +1,8 @@
-r"""RAO training: python -m experiments.train --config=CONFIG_FILE:ARG --workdir=DIR.
+"""RL training from a checkout: `python -m experiments.train` runs `rao-train`.
 
-Examples:
-  python -m experiments.train \
-      --config=experiments/configs/textcraft_synth.py:recursive,ctx=8192 --workdir=runs/tcs
-  python -m experiments.train --config=experiments/configs/textcraft_synth.py:recursive,smoke \
-      --workdir=/tmp/smoke --config.rl.group_size=4
-
-Restarting the same command resumes from the newest complete checkpoint in --workdir.
+Flags and examples: rao_jax/cli/train.py (`--help` lists them).
 """
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
-from experiments import common
-from experiments.configs import base
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, with an optional ':arg'.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and trees go.")
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv):
-  del argv
-  base.check_keys(_CONFIG.value)   # a misspelt key would otherwise be silently ignored
-  common.init_distributed()
-  from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
-  trainer.train(_CONFIG.value, _WORKDIR.value)
-
+from rao_jax.cli import train
 
 if __name__ == "__main__":
-  app.run(main)
+  train.run()

@@ -1,0 +1,32 @@
+r"""RAO training: rao-train --config=CONFIG_FILE:ARG --workdir=DIR.
+
+Examples (in a checkout, `python -m experiments.train` is the same command):
+  rao-train --config=experiments/configs/textcraft_synth.py:recursive,ctx=8192 --workdir=runs/tcs
+  rao-train --config=experiments/configs/textcraft_synth.py:recursive,smoke \
+      --workdir=/tmp/smoke --config.rl.group_size=4
+
+Restarting the same command resumes from the newest complete checkpoint in --workdir.
+"""
+from absl import flags
+from ml_collections import config_flags
+
+from rao_jax.cli import common
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, with an optional ':arg'.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and trees go.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  # A misspelt key would otherwise be silently ignored.
+  common.check_keys(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS["config"]))
+  common.init_distributed()
+  from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
+  trainer.train(_CONFIG.value, _WORKDIR.value)
+
+
+def run() -> None:
+  """The `rao-train` command."""
+  common.run(main, __doc__)
