@@ -31,7 +31,7 @@ LAYERS = [
     ["rao_jax.rollout.serve"],
     ["rao_jax.envs"],                         # tasks, verifiers, judges (a judge generates)
     ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
-    ["rao_jax.metrics"],                      # metrics files, plots, tree pages
+    ["rao_jax.metrics", "rao_jax.hooks"],     # metrics files, plots, tree pages; loop hooks
     ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
     ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
     ["rao_jax.testing"],                      # test fixtures over any of the above
@@ -41,11 +41,7 @@ LAYERS = [
 
 # (importer, imported, why): the only imports allowed to point up. Each names an entry or a
 # module; keep the reason honest and remove the line when the import goes.
-EXCEPTIONS = [
-    ("rao_jax.envs.longcontext_scripted", "rao_jax.agent.policies",
-     "the scripted long-context and search demonstrators drive the agent's ScriptedTurnEngine; "
-     "they belong beside agent.policies"),
-]
+EXCEPTIONS: list[tuple[str, str, str]] = []
 
 
 def _entries():

@@ -31,7 +31,7 @@ import re
 from typing import Any
 
 from rao_jax.envs import longcontext_data as data
-from rao_jax.agent.policies import ScriptedTurnEngine  # noqa: F401  (re-exported)
+from rao_jax.rollout.scripted import ScriptedTurnEngine  # noqa: F401  (re-exported)
 
 _MSG = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?=<\|im_end\|>|<\|im_start\|>|$)",
                   re.S)
