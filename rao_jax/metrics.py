@@ -10,6 +10,8 @@ import math
 import os
 from typing import Mapping
 
+from rao_jax.agent import view
+
 
 class MetricsWriter:
   """Appends metrics to `workdir/metrics.jsonl` and, optionally, TensorBoard event files."""
@@ -130,7 +132,6 @@ def tree_stats(trees) -> dict[str, float]:
 
 def write_html(trees, path: str, title: str = "RAO execution trees") -> str:
   """Writes the self-contained HTML tree view of `trees` (see `rao_jax.agent.view`)."""
-  from rao_jax.agent import view  # pylint: disable=g-import-not-at-top
   with open(path, "w", encoding="utf-8") as f:
     f.write(view.render_html(trees, title=title))
   return path

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rao_jax.model.weights import load_pretrained
+
 
 # Pure functions of model.inference_params() (per-layer weights), as the rollout engine runs
 # them: slicing the stacked weights inside a per-token step would copy the model each token.
@@ -66,7 +68,6 @@ def main(argv=None) -> int:
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: by backend)")
   args = parser.parse_args(argv)
-  from rao_jax.model import load_pretrained
   t0 = time.time()
   try:
     model, tokenizer = load_pretrained(args.model, dtype=args.dtype)
