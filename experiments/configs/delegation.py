@@ -39,15 +39,15 @@ def get_config(arg: str | None = None):
   c.agent.max_depth = 1                 # the root's helpers answer; they cannot delegate
   c.agent.tree_step_budget = 0          # the task's own budget (k + 2 steps)
   c.rl.group_size = 6
-  c.rl.tasks_per_step = 4
+  c.rl.tasks_per_step = 2               # 12 trees a step: the test's 3-minute budget
   c.optim.lr = 2e-3                     # as the micro-run (a 2-layer D=64 model)
   c.optim.warmup_steps = 2
-  c.learner.micro_batch_rows = 8
-  c.learner.bucket_rows = (72,)         # one row per node: up to 24 roots + 48 helpers; one
+  c.learner.micro_batch_rows = 12
+  c.learner.bucket_rows = (36,)         # one row per node: up to 12 roots + 24 helpers; one
                                         # bucket, one compilation
-  c.rollout.num_slots = 48              # every node of a step's 24 trees at once (up to 72)
+  c.rollout.num_slots = 36              # every node of a step's 12 trees at once
   c.rollout.max_cache_len = 320
-  c.sandbox.pool_size = 24
+  c.sandbox.pool_size = 12
   c.ckpt.every = 1000                   # the trainer still saves at the end
   c.ckpt.keep = 1
   c.eval.every = 1000                   # evaluated once, at the end
