@@ -225,6 +225,9 @@ def main() -> None:
         if os.path.isdir(run_dir):   # a run cut short: start it again
           subprocess.run(["rm", "-rf", run_dir], check=True)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # Every run compiles the same programs: XLA's persistent cache compiles them once.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.workdir, "jax_cache"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
         subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={v}",
                         f"--seed={seed}", f"--workdir={args.workdir}"], check=True, env=env,
                        stdout=subprocess.DEVNULL)
