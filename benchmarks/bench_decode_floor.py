@@ -44,16 +44,16 @@ def median_s(fn, n):
 def decode_steps(model):
   import jax
   import jax.numpy as jnp
-  from rao_jax.rollout import embedded
+  from rao_jax.rollout.engine import programs
   params, fns = model.inference_params(), model.inference_fns()
-  step = functools.partial(embedded._decode, fns, 1)  # pylint: disable=protected-access
+  step = functools.partial(programs.decode, fns, 1)
   out = {}
   for S in (64, 384, 768):
     state = {"cache": model.init_cache(batch_size=ROWS, max_len=S)}
     R = ROWS
-    args = (jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
-            jnp.ones((R,), bool), jnp.zeros((R,), jnp.float32), jnp.ones((R,), jnp.float32),
-            jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), jnp.int32))
+    args = (programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
+                                 jnp.ones((R,), bool)),
+            programs.sampling_arrays(R))
 
     def run():
       state["cache"], toks, _ = step(params, state["cache"], *args)

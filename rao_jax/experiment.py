@@ -300,8 +300,11 @@ def rl_config(config) -> RLConfig:
       deadline_rule=rl.deadline_rule)
 
 
-def make_engine(config, model, tokenizer):
-  """The rollout engine of `config.rollout.engine`, serving `model`'s current weights."""
+def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
+                export_dir: str | None = None):
+  """The rollout engine of `config.rollout.engine`, serving `model`'s current weights as
+  `weight_version`; an SGLang client writes the checkpoints of `update_weights` under
+  `export_dir` (a folder its servers can read)."""
   kind = config.rollout.engine
   if kind == "embedded":
     import jax  # pylint: disable=g-import-not-at-top
@@ -311,6 +314,7 @@ def make_engine(config, model, tokenizer):
     # Each process of a multi-host run samples its own share of trees with its own stream.
     return EmbeddedEngine(model, num_slots=int(config.rollout.num_slots), max_len=max_len,
                           seed=int(config.seed) + jax.process_index(),
+                          weight_version=weight_version,
                           share_prefix_min=int(config.rollout.get(
                               "share_prefix_min", EngineConfig.share_prefix_min)))
   if kind == "sglang":
@@ -319,7 +323,8 @@ def make_engine(config, model, tokenizer):
     if not urls:
       raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
                        "http://host:30000[,http://host2:30000].")
-    return SGLangEngine(urls)
+    return SGLangEngine(urls, weight_version=weight_version, export_root=export_dir,
+                        tokenizer=tokenizer)
   raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
 
 

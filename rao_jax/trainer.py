@@ -223,7 +223,8 @@ class Trainer:
       log.info("Resumed from %s at step %d.", self.learner.cfg.ckpt_dir, self.start_step)
     elif config.ckpt.init_from:
       self._init_params_from(config.ckpt.init_from)
-    self.engine = X.make_engine(config, self._local_model(), self.tokenizer)
+    self.engine = X.make_engine(config, self._local_model(), self.tokenizer,
+                                export_dir=os.path.join(self.workdir, "weights"))
     self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard)
                     if self.main else _NoMetrics())
     self.trees_dir = os.path.join(self.workdir, "trees")
@@ -260,24 +261,12 @@ class Trainer:
         self.learner.params)
     return nnx.merge(self.learner.graphdef, local)
 
-  def sync_weights(self, version: int) -> float:
+  async def sync_weights(self, version: int) -> float:
+    """The engine serves the learner's current weights as `version` once this returns (it
+    copies or exports them, see `Engine.update_weights`); returns the seconds it took."""
     t0 = time.perf_counter()
-    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
-    if not isinstance(self.engine, SGLangEngine):   # in process: the embedded engine
-      self.engine.update_weights(self._local_model(), version)
-    else:
-      export_dir = os.path.join(self.workdir, "weights", f"v{version:06d}")
-      from rao_jax.model import export_hf  # pylint: disable=g-import-not-at-top
-      export_hf(self.learner.model, self.model_cfg, self.tokenizer, export_dir)
-      asyncio.get_event_loop()  # the SGLang client's sync runs on the loop (see run())
-      self._pending_http_sync = (export_dir, version)
+    await self.engine.update_weights(self._local_model(), version)
     return time.perf_counter() - t0
-
-  async def _finish_sync(self) -> None:
-    pending = getattr(self, "_pending_http_sync", None)
-    if pending is not None:
-      await self.engine.update_weights_from_disk(*pending)
-      self._pending_http_sync = None
 
   # -- rollouts --------------------------------------------------------------------------------
 
@@ -343,8 +332,7 @@ class Trainer:
     total = self.rl.total_steps
     step = self.start_step
     last_eval: dict[str, float] = {}
-    self.sync_weights(step)
-    await self._finish_sync()
+    await self.sync_weights(step)
     bar = _progress(total, step, enabled=c.log.progress)
     guard = NonFiniteGuard(self.rl.max_nonfinite_steps)
     fault_totals = collections.Counter()
@@ -382,8 +370,7 @@ class Trainer:
           lmetrics = {"skipped": 1.0}
         learn_s = time.perf_counter() - t_learn
         step += 1
-        sync_s = self.sync_weights(step)
-        await self._finish_sync()
+        sync_s = await self.sync_weights(step)
 
         success = X.success_rate(trees)
         reward = (float(np.mean(adv.reward_N[[i for i, n in enumerate(adv.node_ids)

@@ -18,7 +18,7 @@ from rao_jax.learner import step as step_lib
 from rao_jax.learner.testing import tiny_model_config
 from rao_jax.kernels import mkl
 from rao_jax.model.transformer import Transformer
-from rao_jax.rollout import embedded
+from rao_jax.rollout.engine import programs
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +71,14 @@ def _engine_programs(dtype, kernels):
   cache = jax.eval_shape(lambda: make().init_cache(batch_size=4, max_len=256))
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  prefill = (embedded._prefill, (fns, params, cache, i32(2), i32(2, 64), i32(2), i32(2)))
-  decode = (embedded._decode, (fns, 2, params, cache, i32(4), i32(4),
-                               jax.ShapeDtypeStruct((4,), jnp.bool_), f32(4), f32(4), i32(4),
-                               i32(4), f32(4)))
+  prefill = (programs.prefill, (fns, params, cache,
+                                programs.PrefillBatch(i32(2), i32(2, 64), i32(2), i32(2))))
+  decode = (programs.decode, (fns, 2, params, cache,
+                              programs.DecodeBatch(i32(4), i32(4),
+                                                   jax.ShapeDtypeStruct((4,), jnp.bool_)),
+                              programs.SamplingArrays(f32(4), f32(4), i32(4),
+                                                      jax.ShapeDtypeStruct((4,), jnp.uint32),
+                                                      f32(4))))
   return {"prefill": prefill, "decode": decode}
 
 

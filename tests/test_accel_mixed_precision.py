@@ -104,7 +104,7 @@ def test_masters_and_moments_are_float32_compute_and_engine_bfloat16(policy_conf
   assert hidden.dtype == jnp.bfloat16 and model.logits(hidden).dtype == jnp.float32
   # The rollout engine holds its own copies in the compute dtype.
   engine = X.make_engine(policy_config, learner.model, tokenizer)   # no thread started yet
-  assert _dtypes(engine._params) == {"bfloat16"}
+  assert _dtypes(engine.params) == {"bfloat16"}
   learner.close()
 
 

@@ -186,7 +186,7 @@ def test_session_turn_prefills_only_new_suffix(model, warm):
 
 
 def test_no_compilation_after_warmup(model, warm):
-  before_traces, before_compiles = EmbeddedEngine(model, **CFG).trace_counts, len(_COMPILES)
+  before_compiles = len(_COMPILES)
   async def go():
     eng = EmbeddedEngine(model, **CFG)
     params = [greedy(20), SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=14),
@@ -196,11 +196,24 @@ def test_no_compilation_after_warmup(model, warm):
     await asyncio.gather(*[eng.generate(r) for r in reqs])
     stats = dict(eng.stats)
     await eng.close()
-    return stats
-  stats = run(go())
+    return stats, eng.trace_counts
+  stats, traces = run(go())
   assert stats["cache_grow"] >= 1     # the workload did cross cache-length buckets
-  assert EmbeddedEngine(model, **CFG).trace_counts == before_traces
+  assert traces == {}                 # this engine traced nothing: warmup's programs served
   assert len(_COMPILES) == before_compiles
+
+
+def test_trace_counts_are_per_engine(model, warm):
+  """Traces count into the engine whose call caused them, not into a shared global."""
+  bystander = EmbeddedEngine(model, **CFG)
+  async def go():
+    eng = EmbeddedEngine(model, **CFG, decode_steps=2)   # one new program: a 2-step decode
+    r = await eng.generate(GenerateRequest([1, 2, 3], greedy(4)))
+    await eng.close()
+    return eng.trace_counts, r
+  traces, r = run(go())
+  assert traces == {"decode": 1} and len(r.token_ids) == 4
+  assert bystander.trace_counts == {}
 
 
 def test_context_limit_stop_ids_and_max_new_tokens(model, warm):
@@ -236,7 +249,7 @@ def test_abort_returns_partial_and_weight_swap_between_steps(model, warm):
       await asyncio.sleep(0.005)
     await eng.abort("long")
     aborted = await task
-    await asyncio.to_thread(eng.update_weights, other, 7)
+    await eng.update_weights(other, 7)
     swapped = await eng.generate(GenerateRequest(p, greedy(6)))
     await eng.close()
     return aborted, swapped
@@ -246,6 +259,36 @@ def test_abort_returns_partial_and_weight_swap_between_steps(model, warm):
   assert aborted.token_ids == reference_greedy(model, p, len(aborted.token_ids))
   assert swapped.weight_version == 7
   assert swapped.token_ids == reference_greedy(other, p, 6)
+
+
+def test_engine_copies_weights_at_the_sync_boundary(model, warm):
+  """The engine never serves a view of the arrays it is given. Deleting them (what a learner
+  step's donation does to its state) leaves it working, after construction and after
+  update_weights; without the copy the embedding and final norm would be the caller's."""
+  graphdef, state = nnx.split(model)
+  def fresh(scale):   # a model of arrays of its own, which the test then deletes
+    return nnx.merge(graphdef, jax.tree.map(
+        lambda x: jnp.array(x * scale if x.ndim >= 2 else x, copy=True), state))
+
+  def delete_all(m):
+    for x in jax.tree.leaves(nnx.state(m)):
+      x.delete()
+  p = prompts(1, [7], seed=12)[0]
+  other = fresh(1.5)
+  ref_a, ref_b = reference_greedy(model, p, 5), reference_greedy(other, p, 5)
+  async def go():
+    src = fresh(1.0)
+    eng = EmbeddedEngine(src, **CFG)
+    delete_all(src)
+    a = await eng.generate(GenerateRequest(p, greedy(5)))
+    await eng.update_weights(other, 2)
+    delete_all(other)
+    b = await eng.generate(GenerateRequest(p, greedy(5)))
+    await eng.close()
+    return a, b
+  a, b = run(go())
+  assert a.finish_reason == b.finish_reason == FinishReason.LENGTH, (a.message, b.message)
+  assert a.token_ids == ref_a and b.token_ids == ref_b and b.weight_version == 2
 
 
 def test_bad_requests_and_configs_are_refused(model):
@@ -314,13 +357,12 @@ def test_prefix_shared_across_slots_equals_recompute(model, warm):
   rng = np.random.default_rng(8)
   head = list(map(int, rng.integers(3, 49152, size=26)))     # the "system prompt"
   ps = [head + list(map(int, rng.integers(3, 49152, size=n))) for n in (3, 7, 1, 9)]
-  traces = EmbeddedEngine(model, **CFG).trace_counts
 
   async def go(share):
     eng = EmbeddedEngine(model, **CFG, share_prefix_min=share)
     # Four at once: the first prefills the head, the others wait for it and copy its rows.
     res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(8))) for p in ps])
-    stats = dict(eng.stats)
+    stats = dict(eng.stats, traces=eng.trace_counts)
     await eng.close()
     return res, stats
   (shared, s1), (plain, s0) = run(go(8)), run(go(0))
@@ -331,7 +373,7 @@ def test_prefix_shared_across_slots_equals_recompute(model, warm):
   assert s0["prefill_tokens"] - s1["prefill_tokens"] == 3 * len(head)
   assert sorted(r.cached_tokens for r in shared) == [0] + [len(head)] * 3
   assert s1.get("prefix_waits", 0) > 0 and not s0.get("prefix_copies")
-  assert EmbeddedEngine(model, **CFG).trace_counts == traces
+  assert s1["traces"] == s0["traces"] == {}
 
 
 def test_prefix_of_replaced_weights_is_never_shared(model, warm):
@@ -351,7 +393,7 @@ def test_prefix_of_replaced_weights_is_never_shared(model, warm):
       # On the scheduler thread, two tokens in: new weights arrive and scheduling pauses, so
       # the long request is certainly running on the old weights' KV when `new` is admitted.
       if len(out) == 2:
-        eng.update_weights(other, 1, wait=False)
+        eng.load_weights(other, 1, wait=False)
         eng.pause()
     task = asyncio.create_task(eng.generate(GenerateRequest(p_long, greedy(24)),
                                             on_token=swap_mid_request))

@@ -105,7 +105,7 @@ def test_client_server_parity_validation_and_weight_sync(server, model, tmp_path
 
   async def go():
     local = EmbeddedEngine(model, **ENGINE)
-    client = SGLangEngine([url, url + "/"], retry_timeout=30)
+    client = SGLangEngine([url, url + "/"], retry_timeout=30, export_root=str(tmp_path))
     reqs = [GenerateRequest(p, params[i % 2]) for i, p in enumerate(ps)]
     remote = await asyncio.gather(*[client.generate(r) for r in reqs])
     ref = await asyncio.gather(*[local.generate(r) for r in reqs])
@@ -159,8 +159,8 @@ def test_client_server_parity_validation_and_weight_sync(server, model, tmp_path
     other = nnx.merge(graphdef, jax.jit(
         lambda st: jax.tree.map(lambda x: x * 1.5 if x.ndim >= 2 else x, st))(state))
     running = asyncio.create_task(client.generate(GenerateRequest(ps[3], greedy(15))))
-    folder = await client.sync_weights(other, 3, str(tmp_path))
-    assert os.path.basename(folder) == "v000003"
+    await client.update_weights(other, 3)
+    assert os.path.isfile(os.path.join(str(tmp_path), "v000003", "model.safetensors"))
     assert (await client.get_weight_versions())[url] == "3"
     mid = await running          # aborted by the pause, continued after it: never lost
     assert mid.finish_reason == FinishReason.LENGTH and len(mid.token_ids) == 15

@@ -26,6 +26,26 @@ class FakeSGLang:
   def __init__(self, *, version="default", deterministic=False, refuse=None):
     self.version, self.deterministic, self.refuse = version, deterministic, refuse
     self.bodies, self.info_calls = [], 0
+    self.controls = []           # (path, body) of every weight-sync call, in order
+    self.draining = 1            # /flush_cache answers 400 this many times (requests draining)
+
+  async def control(self, request):
+    path = request.path
+    body = await request.json() if request.can_read_body else None
+    self.controls.append((path, body))
+    if path == "/flush_cache" and self.draining:
+      self.draining -= 1
+      return web.Response(status=400, text="requests still running")
+    if path == "/update_weights_from_disk":
+      import os
+      folder = body["model_path"]
+      files = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+      if not {"config.json", "model.safetensors"} <= files:
+        return web.json_response({"success": False, "message": f"no checkpoint in {folder}"},
+                                 status=400)
+      self.version = body["weight_version"]
+      return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+    return web.json_response({"status": "ok"})
 
   async def generate(self, request):
     body = await request.json()
@@ -55,6 +75,9 @@ class FakeSGLang:
     app = web.Application()
     app.router.add_post("/generate", self.generate)
     app.router.add_get("/get_server_info", self.server_info)
+    for path in ("/pause_generation", "/flush_cache", "/update_weights_from_disk",
+                 "/continue_generation"):
+      app.router.add_post(path, self.control)
     self.runner = web.AppRunner(app)
     await self.runner.setup()
     port = _port()
@@ -110,6 +133,41 @@ def test_weight_version_default_and_payload():
       assert sp["min_p"] == pytest.approx(0.1) and sp["repetition_penalty"] == 1.2
       assert "frequency_penalty" not in sp
       await client.close()
+  asyncio.run(go())
+
+
+def test_update_weights_exports_then_loads_from_disk(tmp_path):
+  """Engine.update_weights on the client: the model is exported as an HF folder under
+  export_root, then every server is paused, flushed (retried while it drains), loaded from
+  that folder and continued; results carry the new version."""
+  import json
+  import os
+  from rao_jax.testing import tiny_model
+  model = tiny_model(0)
+
+  async def go():
+    async with FakeSGLang() as a, FakeSGLang() as b:
+      client = SGLangEngine([a.url, b.url], export_root=str(tmp_path), backoff=0.05)
+      await client.update_weights(model, 4)
+      folder = str(tmp_path / "v000004")
+      for srv in (a, b):
+        assert [p for p, _ in srv.controls] == [
+            "/pause_generation", "/flush_cache", "/flush_cache", "/update_weights_from_disk",
+            "/continue_generation"]
+        assert srv.controls[3][1]["model_path"] == folder
+        assert srv.controls[3][1]["weight_version"] == "4"
+      with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == model.cfg.n_layers
+      assert client.weight_version == "4"
+      r = await client.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=1)))
+      assert r.weight_version == "4"
+      # A client without an export folder refuses before touching any server.
+      bare = SGLangEngine(a.url)
+      with pytest.raises(ValueError, match="export_root"):
+        await bare.update_weights(model, 5)
+      assert len(a.controls) == 5
+      for c in (client, bare):
+        await c.close()
   asyncio.run(go())
 
 

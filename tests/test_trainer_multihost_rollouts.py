@@ -84,7 +84,7 @@ async def collect(self, runner, step):
   return await real_collect(self, runner, step)
 
 class Versioned(policies.ScriptedTextCraftEngine):
-  def update_weights(self, model, version):
+  async def update_weights(self, model, version):
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(x.is_fully_addressable for x in leaves)   # a process-local copy
     self._weight_version = version
@@ -92,7 +92,7 @@ class Versioned(policies.ScriptedTextCraftEngine):
                                         for x in leaves))])
 
 trainer.Trainer.collect = collect
-X.make_engine = lambda config, model, tokenizer: Versioned(tokenizer)
+X.make_engine = lambda config, model, tokenizer, **kw: Versioned(tokenizer)
 t = trainer.Trainer(config(model_dir, steps), wd)
 res = t.run()
 print("RESULT " + json.dumps({"step": res["step"], "digest": digest(t.learner.params),

@@ -3,7 +3,8 @@
 With float32 compute, `inference_params()` hands back the embedding (and the tied head, the
 final norm) as the learner's own arrays; the learner donates its state to every step, so an
 engine built from `learner.model` (or updated from it) lost those arrays under rollouts in flight
-("Array has been deleted"). The engine now copies exactly the leaves that share a buffer.
+("Array has been deleted"). The engine now copies every array it takes in (at construction
+and at every weight update): the sync boundary.
 """
 import asyncio
 
@@ -41,11 +42,11 @@ def test_engine_survives_learner_steps_that_donate_its_source():
   engine = EmbeddedEngine(learner.model, num_slots=4, max_len=64)
   try:
     # The engine's arrays share no buffer with the learner's state...
-    assert not _ptrs(engine._params) & _ptrs(learner.state)
+    assert not _ptrs(engine.params) & _ptrs(learner.state)
     # ...yet are equal to it, and the tied head stays one array.
-    np.testing.assert_array_equal(np.asarray(engine._params["embed"]),
+    np.testing.assert_array_equal(np.asarray(engine.params["embed"]),
                                   np.asarray(learner.model.inference_params()["embed"]))
-    assert engine._params["head"] is engine._params["embed"]
+    assert engine.params["head"] is engine.params["embed"]
     trees = lt.synthetic_trees(1, 2, vocab=97, seed=1, max_len=60, mean_len=30)
     for step in range(2):
       learner.step(learner.prepare(trees)[0])   # donates the state the engine was built from
@@ -53,8 +54,8 @@ def test_engine_survives_learner_steps_that_donate_its_source():
       assert res.finish_reason != rollout.FinishReason.ABORT, res.message
       assert len(res.token_ids) == 6
       # The same after an update from the (new) learner state.
-      engine.update_weights(learner.model, version=step + 1)
-      assert not _ptrs(engine._params) & _ptrs(learner.state)
+      asyncio.run(engine.update_weights(learner.model, step + 1))
+      assert not _ptrs(engine.params) & _ptrs(learner.state)
     learner.step(learner.prepare(trees)[0])
     res = _generate(engine, seed=9)
     assert res.finish_reason != rollout.FinishReason.ABORT, res.message

@@ -1,11 +1,28 @@
 """Rollout engines: the only thing the agent runtime knows about generation.
 
     Engine / GenerateRequest / GenerateResult / SamplingParams / FinishReason   (base.py)
-    EmbeddedEngine   continuous-batching JAX engine in this process                (embedded.py)
-    SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve          (sglang_client.py)
-    python -m rao_jax.rollout.serve   the embedded engine behind SGLang's HTTP API (serve.py)
+    EmbeddedEngine   continuous-batching JAX engine in this process              (engine/)
+    SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve        (sglang_client.py)
+    python -m rao_jax.rollout.serve   the embedded engine behind SGLang's HTTP API (serve/)
+
+The engines are re-exported lazily: ``from rao_jax.rollout import base`` (or the engine's
+plain-Python slot table) does not load JAX, Flax or aiohttp.
 """
+import importlib
+
 from rao_jax.rollout.base import (  # noqa: F401
     Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams)
-from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig  # noqa: F401
-from rao_jax.rollout.sglang_client import ClientConfig, SGLangEngine  # noqa: F401
+
+_LAZY = {"EmbeddedEngine": "rao_jax.rollout.engine", "EngineConfig": "rao_jax.rollout.engine",
+         "ClientConfig": "rao_jax.rollout.sglang_client",
+         "SGLangEngine": "rao_jax.rollout.sglang_client"}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'rao_jax.rollout' has no attribute {name!r}")
+
+
+__all__ = ["ClientConfig", "EmbeddedEngine", "Engine", "EngineConfig", "FinishReason",
+           "GenerateRequest", "GenerateResult", "SGLangEngine", "SamplingParams"]

@@ -132,6 +132,21 @@ class Engine(abc.ABC):
   async def abort(self, rid: str) -> None:
     """Aborts an in-flight request; it returns with FinishReason.ABORT."""
 
+  async def update_weights(self, model, version: int | str) -> None:
+    """Serves ``model``'s weights from now on; results finished later carry ``version``.
+
+    The one weight-sync call of every engine: the trainer calls it after each learner step
+    and never asks which engine it has. The embedded engine takes the weights in memory
+    (copying them: the learner donates its own arrays to its next step); the SGLang client
+    exports them as an HF checkpoint folder and has every server load it. It returns once the
+    new weights are in use. This default is for engines that hold no weights of their own
+    (scripted policies in tests and demos): they serve as before.
+
+    Args:
+      model: the policy (a ``rao_jax.model.Transformer``; its ``cfg`` names the architecture).
+      version: the new weight version (the trainer passes the step).
+    """
+
   @property
   @abc.abstractmethod
   def weight_version(self) -> int | str:

@@ -9,9 +9,10 @@ returns FinishReason.ABORT (never hangs). Requests the server aborted on its own
 update pausing with mode "abort") are continued: prompt + partial output is re-sent with the
 remaining token budget, and the pieces are joined.
 
-Weight sync (``update_weights_from_disk`` / ``sync_weights``) follows the SGLang RL recipe on
-every server: pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk
--> continue_generation.
+Weight sync (``Engine.update_weights``) exports the model as an HF checkpoint folder under
+``export_root`` and follows the SGLang RL recipe on every server (``update_weights_from_disk``):
+pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk ->
+continue_generation.
 
 Server quirks handled: refusals come as ``{"error": {"message": ...}}`` (SGLang's /generate) or
 flat ``{"object": "error", "message": ...}`` (its request validation, OpenAI-style), and both
@@ -113,10 +114,15 @@ class SGLangEngine(Engine):
       session sticks to one server while it is healthy (its prefix cache stays warm).
     config: a ClientConfig, or its fields as keyword arguments.
     weight_version: reported until a server answers with its own.
+    export_root: the folder ``update_weights`` writes checkpoints under (one ``v{version}``
+      folder each); every server must be able to read it (a shared filesystem when they run
+      on other hosts). None: ``update_weights`` refuses, ``update_weights_from_disk`` works.
+    tokenizer: written into each exported checkpoint (None: weights and config only).
   """
 
   def __init__(self, urls: str | Sequence[str], config: ClientConfig | None = None, *,
-               weight_version: int | str = 0, **kwargs):
+               weight_version: int | str = 0, export_root: str | None = None, tokenizer=None,
+               **kwargs):
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                            for u in urls):
@@ -124,6 +130,8 @@ class SGLangEngine(Engine):
     self.urls = [u.rstrip("/") for u in urls]
     self.config = config if config is not None else ClientConfig(**kwargs)
     self._version = weight_version
+    self.export_root = export_root
+    self.tokenizer = tokenizer
     self._inflight = {u: 0 for u in self.urls}
     self._rr = 0
     self._sessions: dict[str, str] = {}
@@ -392,16 +400,24 @@ class SGLangEngine(Engine):
     finally:
       await self._control(url, "/continue_generation")
 
-  async def sync_weights(self, model, version: int, export_root: str, *, tokenizer=None,
-                         cfg=None) -> str:
-    """Exports ``model`` to ``export_root/v{version:06d}`` (HF format) and loads it on every
-    server. Returns the folder."""
-    from rao_jax.model.weights import export_hf
+  def export_dir(self, version: int | str) -> str:
+    """The folder ``update_weights`` writes version ``version`` to."""
+    if self.export_root is None:
+      raise ValueError("SGLangEngine.update_weights: the client has no export_root; construct "
+                       "it with export_root=<a folder every server can read> (the trainer "
+                       "passes <workdir>/weights).")
     name = f"v{version:06d}" if isinstance(version, int) else f"v{version}"
-    out = os.path.join(export_root, name)
-    await asyncio.to_thread(export_hf, model, cfg, tokenizer, out)
+    return os.path.join(self.export_root, name)
+
+  async def update_weights(self, model, version: int | str) -> None:
+    """Exports ``model`` as an HF checkpoint folder (``export_dir(version)``) and has every
+    server load it (``update_weights_from_disk``). Requests in flight are continued on the
+    new weights."""
+    out = self.export_dir(version)
+    # Imported here: the client itself needs no JAX (a CPU box can drive remote servers).
+    from rao_jax.model.weights import export_hf  # pylint: disable=g-import-not-at-top
+    await asyncio.to_thread(export_hf, model, None, self.tokenizer, out)
     await self.update_weights_from_disk(out, version)
-    return out
 
   async def get_weight_versions(self) -> dict[str, str]:
     """Each server's current weight version."""
@@ -448,6 +464,12 @@ class OpenAIEngine(Engine):
   @property
   def weight_version(self) -> int | str:
     return f"openai:{self.model}"
+
+  async def update_weights(self, model, version: int | str) -> None:
+    """Refused: the OpenAI API has no weight-update route, so this engine cannot follow a
+    learner (serving stale weights silently would train off-policy)."""
+    raise RuntimeError("OpenAIEngine cannot load new weights (the OpenAI API has no route for "
+                       "it); train with SGLangEngine or the embedded engine.")
 
   def _session(self) -> aiohttp.ClientSession:
     loop = asyncio.get_running_loop()

@@ -1,0 +1,127 @@
+"""EngineConfig: the embedded engine's shapes and policies, and the bucket helpers.
+
+Plain Python (no JAX): the slot table, the cache-length policy and their tests import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  """lo, 2 lo, 4 lo, ... below hi, then hi."""
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  out.append(hi)
+  return tuple(out)
+
+
+def bucket(buckets: Sequence[int], n: int) -> int:
+  """The smallest bucket >= n (the largest when none is)."""
+  for b in buckets:
+    if b >= n:
+      return b
+  return buckets[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Shapes and policies of the embedded engine.
+
+  Attributes:
+    num_slots: concurrent contexts (requests running + sessions kept); the cache's batch size.
+    max_len: tokens one slot can hold (the largest cache length).
+    cache_lens: cache-length buckets, ascending, ending at max_len; () = doubling from
+      min_cache_len up to max_len.
+    min_cache_len: the smallest cache bucket when cache_lens is ().
+    chunk_sizes: prompt-chunk buckets, ascending; a prompt is prefilled in chunks of these.
+    prefill_rows: prefill batch buckets, ascending; at most max(prefill_rows) slots per call.
+    decode_rows: decode batch buckets, ascending, ending at num_slots; () = 1, 4, 16, ... up to
+      num_slots (a lone agent then decodes one row, not num_slots: ~3x faster on CPU).
+      Decoding runs over the first R slots, R the smallest bucket covering every active slot.
+    decode_steps: tokens generated per decode call (>1 trades scheduling latency for less
+      per-call overhead).
+    shrink_patience: scheduler iterations the needed cache length must stay at most half the
+      current one before the cache shrinks (avoids resizing back and forth).
+    seed: base of the per-request seeds drawn for requests that give none.
+    default_stop_token_ids: the stop ids of requests whose ``SamplingParams.stop_token_ids``
+      is None (the default): give the tokenizer's ``stop_token_ids`` (end of turn, end of
+      text) so generation ends where users expect; () = such requests never stop early.
+    share_prefix_min: a new context copies another slot's KV rows for a common prompt prefix
+      at least this many tokens longer than its own slot holds (0 = never share across slots).
+  """
+  num_slots: int = 16
+  max_len: int = 2048
+  cache_lens: tuple[int, ...] = ()
+  # Few buckets by default: each (rows, chunk, cache length) shape is one compilation of the
+  # unrolled model (seconds each on CPU), and a short run pays for every shape it meets.
+  min_cache_len: int = 512
+  chunk_sizes: tuple[int, ...] = (32, 256)
+  prefill_rows: tuple[int, ...] = (1, 4)
+  decode_rows: tuple[int, ...] = ()
+  decode_steps: int = 1
+  shrink_patience: int = 32
+  seed: int = 0
+  default_stop_token_ids: tuple[int, ...] = ()
+  share_prefix_min: int = 32
+
+  def __post_init__(self):
+    def ascending(name, vals):
+      vals = tuple(int(v) for v in vals)
+      if not vals or any(v < 1 for v in vals) or list(vals) != sorted(set(vals)):
+        raise ValueError(f"EngineConfig.{name}={vals!r}: must be a non-empty, strictly "
+                         "ascending tuple of positive ints.")
+      object.__setattr__(self, name, vals)
+      return vals
+
+    try:
+      stops = tuple(int(t) for t in self.default_stop_token_ids)
+    except (TypeError, ValueError):
+      stops = (-1,)
+    if any(t < 0 for t in stops):
+      raise ValueError(f"EngineConfig.default_stop_token_ids={self.default_stop_token_ids!r}: "
+                       "must be a tuple of token ids (non-negative ints).")
+    object.__setattr__(self, "default_stop_token_ids", tuple(dict.fromkeys(stops)))
+    if int(self.share_prefix_min) < 0:
+      raise ValueError(f"EngineConfig.share_prefix_min={self.share_prefix_min!r}: must be >= 0 "
+                       "(0 turns cross-slot prefix sharing off).")
+    for name in ("num_slots", "max_len", "min_cache_len", "decode_steps", "shrink_patience"):
+      if int(getattr(self, name)) < 1:
+        raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1.")
+    if not self.cache_lens:
+      object.__setattr__(self, "cache_lens",
+                         pow2_buckets(min(self.min_cache_len, self.max_len), self.max_len))
+    lens = ascending("cache_lens", self.cache_lens)
+    if lens[-1] != self.max_len:
+      raise ValueError(f"EngineConfig.cache_lens={lens!r}: the last bucket must equal "
+                       f"max_len={self.max_len}.")
+    ascending("chunk_sizes", self.chunk_sizes)
+    ascending("prefill_rows", self.prefill_rows)
+    if not self.decode_rows:
+      ladder, r = [], 1
+      while r < self.num_slots:
+        ladder.append(r)
+        r *= 4
+      object.__setattr__(self, "decode_rows", tuple(ladder) + (self.num_slots,))
+    rows = ascending("decode_rows", self.decode_rows)
+    if rows[-1] != self.num_slots:
+      raise ValueError(f"EngineConfig.decode_rows={rows!r}: the last bucket must equal "
+                       f"num_slots={self.num_slots}.")
+    if self.prefill_rows[-1] > self.num_slots:
+      raise ValueError(f"EngineConfig.prefill_rows={self.prefill_rows!r}: buckets larger than "
+                       f"num_slots={self.num_slots} can never fill; drop them.")
+    if self.margin >= self.max_len:
+      raise ValueError(f"EngineConfig.max_len={self.max_len}: must exceed the smallest chunk "
+                       f"and decode_steps ({self.margin}); raise max_len.")
+
+  @property
+  def margin(self) -> int:
+    # Slots past a row's length that a call may write (padding of a chunk, fused decode steps).
+    return max(self.decode_steps, self.chunk_sizes[0])
+
+  @property
+  def capacity(self) -> int:
+    """The most tokens (prompt + generated) one context may reach."""
+    return self.max_len - self.margin

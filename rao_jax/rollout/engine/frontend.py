@@ -1,0 +1,442 @@
+"""EmbeddedEngine: the threaded front end of the embedded JAX engine.
+
+The asyncio side (``generate``, ``abort``, ``end_session``, ``update_weights``, ...) hands
+everything to one scheduler thread through a condition variable; the thread applies controls
+and new weights between two device steps and runs ``Scheduler.step`` while requests wait or
+run. Slot state is only ever touched on that thread. Results go back to each caller's event
+loop with ``call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
+from rao_jax.rollout.engine import programs as P
+from rao_jax.rollout.engine.config import EngineConfig, bucket
+from rao_jax.rollout.engine.scheduler import Scheduler
+from rao_jax.rollout.engine.slot_table import Req
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedEngine(Engine):
+  """Continuous-batching JAX engine over a model implementing the rao_jax model contract.
+
+  Args:
+    model: an nnx Module with ``init_cache``, ``forward_cached`` and ``logits``.
+    config: an EngineConfig; or pass its fields as keyword arguments.
+    weight_version: version recorded on results until ``update_weights`` changes it.
+    **kwargs: EngineConfig fields (num_slots, max_len, ...).
+  """
+
+  def __init__(self, model, config: EngineConfig | None = None, *,
+               weight_version: int | str = 0, **kwargs):
+    if config is None:
+      config = EngineConfig(**kwargs)
+    elif kwargs:
+      config = dataclasses.replace(config, **kwargs)
+    self.config = config
+    # Graphdef and the abstract state check and convert what update_weights() receives.
+    self._graphdef, state = nnx.split(model)
+    self._state_tree = jax.tree.structure(state)
+    self._abstract_state = jax.eval_shape(lambda: state)
+    probe = jax.eval_shape(lambda: model.logits(
+        model.forward_cached(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                             model.init_cache(batch_size=1, max_len=8),
+                             jnp.zeros((1,), jnp.int32))[0]))
+    self.vocab_size = int(probe.shape[-1])
+    self._init_cache = model.init_cache
+    self._version = weight_version
+    self._traces: collections.Counter = collections.Counter()
+    self.stats = collections.Counter()
+    self._sched = Scheduler(config, model, self._as_params(state), self.vocab_size,
+                            self._finish, self.stats)
+    self._by_rid: dict[str, Req] = {}
+    self._seed_rng = np.random.default_rng(config.seed)
+    # Everything the asyncio side hands to the scheduler thread goes through _cv.
+    self._cv = threading.Condition()
+    self._inbox: list[Req] = []
+    self._controls: list[tuple[Any, concurrent.futures.Future]] = []
+    self._pending_weights: tuple[Any, Any] | None = None
+    self._weight_waiters: list[concurrent.futures.Future] = []
+    self._paused = False
+    self._closed = False
+    self._thread: threading.Thread | None = None
+
+  # ---- public API ----------------------------------------------------------------------------
+  @property
+  def weight_version(self) -> int | str:
+    return self._version
+
+  @property
+  def params(self):
+    """The inference params the engine serves (its own copy)."""
+    return self._sched.state.params
+
+  @property
+  def trace_counts(self) -> dict[str, int]:
+    """How many times this engine traced each device program (a trace means a compilation;
+    programs compiled by another engine over the same architecture are reused, not
+    counted)."""
+    return dict(self._traces)
+
+  @property
+  def num_running(self) -> int:
+    with self._cv:
+      return len(self._by_rid)
+
+  async def generate(self, request: GenerateRequest, *, on_token=None) -> GenerateResult:
+    """Generates a continuation of ``request.prompt_ids``; see GenerateRequest.
+
+    Args:
+      request: the request.
+      on_token: optional ``fn(token_ids, logprobs) -> bool`` called on the engine's scheduler
+        thread after every generated token with the output so far (the lists are the
+        engine's: copy what you keep). Returning True ends the request with
+        FinishReason.STOP (the server uses it for stop strings and streaming). It must be
+        quick and must not block; if it raises, the request is aborted with the error.
+    """
+    req = self._make_req(request)
+    req.on_token = on_token
+    if req.done:     # answered at admission (e.g. the prompt already fills the context)
+      return req.future.result()
+    with self._cv:
+      if self._closed:
+        raise RuntimeError("EmbeddedEngine is closed.")
+      if req.rid in self._by_rid:
+        raise ValueError(f"GenerateRequest.rid={req.rid!r} is already in flight; rids must "
+                         "be unique among running requests.")
+      self._by_rid[req.rid] = req
+      self._inbox.append(req)
+      self._ensure_thread()
+      self._cv.notify()
+    try:
+      return await asyncio.shield(req.future)
+    except asyncio.CancelledError:
+      await self.abort(req.rid)
+      raise
+
+  async def abort(self, rid: str) -> None:
+    self._control(lambda: self._abort_where(lambda r: r.rid == rid, "aborted by the caller"))
+
+  def abort_all(self, message: str = "aborted") -> None:
+    """Aborts every waiting and running request (they return FinishReason.ABORT)."""
+    self._control(lambda: self._abort_where(lambda r: True, message))
+
+  async def end_session(self, session_id: str) -> None:
+    await asyncio.wrap_future(self._control(lambda: self._sched.table.end_session(session_id)))
+
+  def pause(self) -> None:
+    """Stops scheduling (requests wait, state is kept) until ``resume``."""
+    with self._cv:
+      self._paused = True
+
+  def resume(self) -> None:
+    with self._cv:
+      self._paused = False
+      self._cv.notify()
+
+  @property
+  def paused(self) -> bool:
+    return self._paused
+
+  def flush_cache(self, timeout: float | None = 60.0) -> bool:
+    """Drops every kept session cache. Returns False (and drops nothing) while requests run,
+    like SGLang's /flush_cache."""
+    with self._cv:
+      if self._inbox:
+        return False
+    return self._control(self._sched.table.flush).result(timeout)
+
+  def _control(self, fn) -> concurrent.futures.Future:
+    """Runs ``fn`` on the scheduler thread between two device steps (slot state is only ever
+    touched there); returns a Future of its result."""
+    fut = concurrent.futures.Future()
+    with self._cv:
+      self._controls.append((fn, fut))
+      self._ensure_thread()
+      self._cv.notify()
+    return fut
+
+  async def update_weights(self, model, version: int | str) -> None:
+    """Serves ``model``'s weights from the next device step on (``Engine.update_weights``).
+
+    The engine takes them in memory: it copies them (the learner may donate the originals to
+    its next step), casts them to its dtypes and swaps them in between two device steps.
+    Requests running keep their KV and finish on the new weights.
+
+    Args:
+      model: an nnx Module of the same architecture, its nnx.State, or a pure dict
+        (``nnx.State.to_pure_dict()``).
+      version: the weight version recorded on results from now on.
+    """
+    params = await asyncio.to_thread(self._as_params, model)
+    await asyncio.wrap_future(self._swap(params, version))
+
+  def load_weights(self, params_or_model, version: int | str, *, wait: bool = True,
+                   timeout: float | None = None) -> None:
+    """``update_weights`` for threads without an event loop (and the scheduler thread itself,
+    with ``wait=False``).
+
+    Args:
+      params_or_model: as ``update_weights``'s model.
+      version: the new weight version recorded on results from now on.
+      wait: block until the scheduler has swapped them in.
+      timeout: seconds to wait at most (None: no limit).
+    """
+    fut = self._swap(self._as_params(params_or_model), version)
+    if wait:
+      try:
+        fut.result(timeout)
+      except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"load_weights(version={version!r}) was not applied within "
+                           f"{timeout} s; is the scheduler paused?") from None
+
+  def _swap(self, params, version) -> concurrent.futures.Future:
+    """Hands new params to the scheduler thread; the Future resolves once they are in use (a
+    newer update arriving first supersedes them and resolves it too)."""
+    fut = concurrent.futures.Future()
+    with self._cv:
+      self._pending_weights = (params, version)
+      self._weight_waiters.append(fut)
+      self._ensure_thread()
+      self._cv.notify()
+    return fut
+
+  def set_weight_version(self, version: int | str, timeout: float | None = 60.0) -> None:
+    """Relabels the current weights (SGLang's /update_weight_version); results finished from
+    now on carry ``version``. The weights and kept sessions are unchanged."""
+    def relabel():
+      self._version = version
+    self._control(relabel).result(timeout)
+
+  def warmup(self, max_cache_len: int | None = None, verbose: bool = False) -> float:
+    """Compiles every shape the scheduler can use, so no compilation happens during a run.
+
+    Args:
+      max_cache_len: compile only cache buckets up to this length (the engine then never
+        grows beyond it without compiling); default all buckets.
+      verbose: log each compilation.
+
+    Returns:
+      Seconds spent.
+    """
+    t0 = time.perf_counter()
+    with self._cv:   # the scheduler must not step while warmup reads its state
+      busy = bool(self._by_rid)
+    if busy:
+      raise RuntimeError("EmbeddedEngine.warmup() must run before requests are submitted.")
+    with P.counting(self._traces):
+      self._sched.warmup(max_cache_len, verbose)
+    return time.perf_counter() - t0
+
+  def score(self, token_ids: Sequence[int], *, temperature: float = 1.0,
+            top_k: int = 0) -> tuple[list[float | None], list[list[tuple[float, int]]]]:
+    """Log-probs of each token given the ones before it, and the top-k alternatives.
+
+    What SGLang's ``input_token_logprobs`` / ``*_top_logprobs`` report (and ``max_new_tokens:
+    0`` scoring requests): one extra prefill of ``token_ids`` on the current weights, outside
+    the slots (it neither reads nor disturbs running requests or kept sessions). Blocking; call
+    it from a worker thread in async code.
+
+    Args:
+      token_ids: the sequence (prompt, or prompt + output), at most ``config.max_len`` ids.
+      temperature: logits are divided by it (<= 0: by 1, as for greedy requests).
+      top_k: alternatives per position (0 to 20).
+
+    Returns:
+      (logprobs, top): ``logprobs[i]`` is log p(token_ids[i] | token_ids[:i]) (None for i = 0);
+      ``top[i]`` lists (logprob, id) of the top_k most likely tokens at position i given
+      token_ids[:i] (empty for i = 0).
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids:
+      raise ValueError("EmbeddedEngine.score: token_ids is empty.")
+    if len(ids) > self.config.max_len:
+      raise ValueError(f"EmbeddedEngine.score: {len(ids)} tokens exceed max_len="
+                       f"{self.config.max_len}.")
+    if any(not 0 <= t < self.vocab_size for t in ids):
+      raise ValueError(f"EmbeddedEngine.score: ids outside [0, {self.vocab_size}).")
+    if not 0 <= int(top_k) <= 20:
+      raise ValueError(f"EmbeddedEngine.score: top_k={top_k!r} must be in [0, 20].")
+    chunk = 64
+    T = -(-bucket(self.config.cache_lens, len(ids)) // chunk) * chunk
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :len(ids)] = ids
+    # top-k is compiled for 0 or 20 alternatives only (two programs per length bucket).
+    k_static = 20 if top_k else 0
+    with P.counting(self._traces):
+      lp_T, top_lp, top_id = self._sched.score_fn(
+          chunk, k_static, self.params, self._init_cache(batch_size=1, max_len=T), tokens,
+          np.float32(temperature))
+    lp_T, top_lp, top_id = np.asarray(lp_T), np.asarray(top_lp), np.asarray(top_id)
+    n = len(ids)
+    logprobs = [None] + [float(x) for x in lp_T[:n - 1]]
+    top = [[]] + [[(float(top_lp[i, j]), int(top_id[i, j])) for j in range(int(top_k))]
+                  for i in range(n - 1)]
+    return logprobs, top
+
+  async def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify()
+    thread = self._thread
+    if thread is not None:
+      await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+  # ---- admission (caller thread) --------------------------------------------------------------
+  def _make_req(self, request: GenerateRequest) -> Req:
+    if not isinstance(request, GenerateRequest):
+      raise TypeError(f"generate() takes a GenerateRequest, got {type(request).__name__}.")
+    prompt = [int(t) for t in request.prompt_ids]
+    if not prompt:
+      raise ValueError("GenerateRequest.prompt_ids is empty: give at least one token id.")
+    bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f"GenerateRequest.prompt_ids has ids outside [0, {self.vocab_size}): "
+                       f"{bad[:5]}.")
+    p = request.params
+    limit = self.config.capacity
+    if request.context_limit is not None:
+      if request.context_limit < 1:
+        raise ValueError(f"GenerateRequest.context_limit={request.context_limit!r}: must be >= 1.")
+      limit = min(limit, int(request.context_limit))
+    seed = int(p.seed) if p.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+    loop = asyncio.get_running_loop()
+    stops = (p.stop_token_ids if p.stop_token_ids is not None
+             else self.config.default_stop_token_ids)
+    req = Req(rid=request.rid or uuid.uuid4().hex, prompt=prompt, params=p, limit=limit,
+              seed=seed & 0xFFFFFFFF, stop_ids=frozenset(int(t) for t in stops),
+              session_id=request.session_id, request=request, loop=loop,
+              future=loop.create_future())
+    if len(prompt) >= limit:
+      req.done = True
+      req.future.set_result(GenerateResult(
+          token_ids=[], logprobs=[], finish_reason=FinishReason.CONTEXT,
+          weight_version=self._version, prompt_len=len(prompt),
+          message=f"the prompt ({len(prompt)} tokens) already fills the context limit "
+                  f"({limit} tokens)"))
+    return req
+
+  def _ensure_thread(self):
+    if self._thread is None or not self._thread.is_alive():
+      self._thread = threading.Thread(target=self._run, name="rao-embedded-engine", daemon=True)
+      self._thread.start()
+
+  def _as_params(self, x):
+    """New weights (Module, nnx.State or pure dict) -> the engine's own inference params.
+
+    The weight-sync boundary: every array is copied into new buffers (in the engine's dtype),
+    so nothing the engine serves is a view of the caller's arrays. The trainer's learner
+    donates its state to each step; a view (``inference_params()`` returns e.g. the embedding
+    itself when no cast is needed) would be deleted under a rollout in flight.
+    """
+    if isinstance(x, nnx.Module):
+      _, state = nnx.split(x)
+    elif isinstance(x, nnx.State):
+      state = x
+    else:
+      state = jax.tree.map(lambda a: a, self._abstract_state)
+      nnx.replace_by_pure_dict(state, x)
+    if jax.tree.structure(state) != self._state_tree:
+      raise ValueError("update_weights: the new parameters do not have the engine model's "
+                       "structure; pass a model of the same config (or its nnx.State).")
+
+    def own(new, old):
+      if new.shape != old.shape:
+        raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
+                         f"has {old.shape}; the configs differ.")
+      return jnp.array(new, dtype=old.dtype, copy=True)
+    state = jax.tree.map(own, state, self._abstract_state)
+    return nnx.merge(self._graphdef, state).inference_params()
+
+  # ---- scheduler thread -----------------------------------------------------------------------
+  def _run(self):
+    P.count_traces_on_this_thread(self._traces)
+    table = self._sched.table
+    while True:
+      with self._cv:
+        while not (self._inbox or self._controls or self._pending_weights is not None
+                   or self._closed
+                   or (not self._paused and (table.waiting or table.any_running()))):
+          self._cv.wait()
+        inbox, self._inbox = self._inbox, []
+        controls, self._controls = self._controls, []
+        weights, self._pending_weights = self._pending_weights, None
+        waiters, self._weight_waiters = self._weight_waiters, []
+        paused, closed = self._paused, self._closed
+      try:
+        table.waiting.extend(inbox)
+        for fn, fut in controls:
+          try:
+            fut.set_result(fn())
+          except Exception as e:   # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
+        if weights is not None:
+          params, self._version = weights
+          self._sched.set_params(params)
+          for fut in waiters:
+            fut.set_result(None)
+        if closed:
+          self._abort_where(lambda r: True, "engine closed")
+          return
+        if not paused:
+          self._sched.step()
+      except Exception as e:   # a failed step fails its requests, not the engine
+        log.exception("embedded engine step failed")
+        self._fail_all(e)
+
+  def _abort_where(self, pred, message):
+    table = self._sched.table
+    for r in [r for r in table.requests() if pred(r)]:
+      if r in table.waiting:
+        table.waiting.remove(r)
+      self._finish(r, FinishReason.ABORT, message)
+    # Requests handed over but not yet moved to the waiting queue are aborted there too.
+    with self._cv:
+      pending = [r for r in self._inbox if pred(r)]
+      self._inbox = [r for r in self._inbox if not pred(r)]
+    for r in pending:
+      self._finish(r, FinishReason.ABORT, message)
+
+  def _fail_all(self, exc):
+    self._abort_where(lambda r: True, f"engine error: {exc!r}")
+    for s in self._sched.table.slots:
+      self._sched.table.free(s)
+
+  def _finish(self, req: Req, reason: FinishReason, message: str = ""):
+    if req.done:
+      return
+    req.done = True
+    result = GenerateResult(token_ids=list(req.out), logprobs=list(req.logps),
+                            finish_reason=reason, weight_version=self._version,
+                            prompt_len=len(req.prompt), cached_tokens=req.cached,
+                            message=message)
+    self._sched.table.release(req)
+    with self._cv:
+      self._by_rid.pop(req.rid, None)
+    self.stats[f"finish_{reason.value}"] += 1
+
+    def deliver(fut=req.future, res=result):
+      if not fut.done():
+        fut.set_result(res)
+    try:
+      req.loop.call_soon_threadsafe(deliver)
+    except RuntimeError:   # the caller's loop is gone; nobody is waiting
+      pass
+
+
+__all__ = ["EmbeddedEngine"]

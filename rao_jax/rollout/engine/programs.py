@@ -1,0 +1,322 @@
+"""The embedded engine's device side: batch structs and pure jitted programs.
+
+Every program is a pure function of the weights (``params``), the KV cache and a struct
+dataclass of host-built arrays, jitted once per bucketed shape:
+
+  * ``prefill``: P rows x C prompt tokens (``PrefillBatch``) written into their cache rows;
+    returns each row's last-token logits;
+  * ``sample``: one token per row from logits (``SamplingArrays``), a separate program so it
+    compiles once per P, not once per (P, chunk, cache length);
+  * ``decode``: ``n_steps`` tokens for the first R cache rows (``DecodeBatch``,
+    ``SamplingArrays`` and optional ``Penalties``);
+  * ``score``: next-token log-probs of one sequence in a fresh cache;
+  * ``resize``: the cache cut or zero-padded to another length bucket;
+  * ``copy_row``: one cache row's KV copied onto another (a prefix shared across slots).
+
+The programs are module-level, so every engine over the same model architecture shares their
+compilations. Traces are counted per engine: an engine marks its threads with
+``counting(counter)`` and each trace adds to the counter of the thread that caused it.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from rao_jax.rollout import sampling
+from rao_jax.rollout.base import SamplingParams
+
+# ---- per-engine trace counts ------------------------------------------------------------------
+_tracing = threading.local()
+
+
+def _traced(name: str) -> None:
+  # Runs at trace time only (a Python side effect inside a jitted function).
+  counter = getattr(_tracing, "counter", None)
+  if counter is not None:
+    counter[name] += 1
+
+
+@contextlib.contextmanager
+def counting(counter: collections.Counter):
+  """Traces of the programs on this thread count into ``counter`` while the block runs."""
+  prev = getattr(_tracing, "counter", None)
+  _tracing.counter = counter
+  try:
+    yield counter
+  finally:
+    _tracing.counter = prev
+
+
+def count_traces_on_this_thread(counter: collections.Counter) -> None:
+  """From now on, traces on this thread count into ``counter`` (a scheduler thread's own)."""
+  _tracing.counter = counter
+
+
+# ---- batch structs (pytrees; numpy leaves on the host, traced inside the programs) -----------
+@struct.dataclass
+class SamplingArrays:
+  """Per-row sampling parameters. Build them with ``sampling_arrays`` only."""
+  temperature_R: Any
+  top_p_R: Any
+  top_k_R: Any
+  seeds_R: Any
+  min_p_R: Any
+
+  def sample(self, logits_RxV, positions_R):
+    """(token_R, logp_R) drawn from each row's distribution (see ``sampling.sample``)."""
+    return sampling.sample(logits_RxV, self.temperature_R, self.top_p_R, self.top_k_R,
+                           self.seeds_R, positions_R, self.min_p_R)
+
+
+def sampling_arrays(n: int, rows: Sequence[tuple[int, SamplingParams, int]] = ()
+                    ) -> SamplingArrays:
+  """The one place sampling arrays are built.
+
+  Args:
+    n: rows of the batch.
+    rows: ``(row, params, seed)`` of the rows that sample; the others get greedy defaults
+      (their tokens are discarded).
+  """
+  temp = np.zeros(n, np.float32)
+  top_p = np.ones(n, np.float32)
+  top_k = -np.ones(n, np.int32)
+  seeds = np.zeros(n, np.uint32)
+  min_p = np.zeros(n, np.float32)
+  for i, p, seed in rows:
+    temp[i], top_p[i], top_k[i], seeds[i], min_p[i] = (p.temperature, p.top_p, p.top_k, seed,
+                                                       p.min_p)
+  return SamplingArrays(temp, top_p, top_k, seeds, min_p)
+
+
+@struct.dataclass
+class PrefillBatch:
+  """P rows of one prompt chunk of C tokens.
+
+  Attributes:
+    rows_P: the cache row of each batch row. Padding rows repeat a real row exactly (row,
+      tokens, start), so the duplicate scatter writes identical values.
+    tokens_PxC: the chunk (zeros past each row's n_valid).
+    start_P: cache position of each row's first chunk token (tokens the row already holds).
+    n_valid_P: real tokens of each row's chunk (>= 1).
+  """
+  rows_P: Any
+  tokens_PxC: Any
+  start_P: Any
+  n_valid_P: Any
+
+  @classmethod
+  def zeros(cls, P: int, C: int) -> PrefillBatch:
+    i32 = functools.partial(np.zeros, dtype=np.int32)
+    return cls(i32(P), i32((P, C)), i32(P), np.ones(P, np.int32))
+
+
+@struct.dataclass
+class DecodeBatch:
+  """The first R cache rows, of which the active ones decode.
+
+  Attributes:
+    tokens_R: each active row's last token (not yet in the cache).
+    lengths_R: tokens each row holds (its next write position).
+    active_R: rows that decode; the others stay in place (they write garbage just past their
+      own length, which the next real write there overwrites and nothing reads).
+  """
+  tokens_R: Any
+  lengths_R: Any
+  active_R: Any
+
+  @classmethod
+  def zeros(cls, R: int) -> DecodeBatch:
+    return cls(np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, bool))
+
+
+@struct.dataclass
+class Penalties:
+  """SGLang's repetition-type penalties over each row's generated tokens.
+
+  Attributes:
+    counts_RxV: times each token was generated so far (carried through the decode steps).
+    frequency_R / presence_R / repetition_R: see ``SamplingParams``.
+  """
+  counts_RxV: Any
+  frequency_R: Any
+  presence_R: Any
+  repetition_R: Any
+
+  def apply(self, logits_RxV, counts_RxV):
+    return sampling.apply_penalties(logits_RxV, counts_RxV, self.frequency_R, self.presence_R,
+                                    self.repetition_R)
+
+
+def penalties(R: int, vocab_size: int, rows: Sequence[tuple[int, SamplingParams, list[int]]]
+              ) -> Penalties | None:
+  """Penalty arrays of the rows ``(row, params, generated ids)`` that ask for any; None when
+  none does (the decode program then holds no penalty code)."""
+  rows = [r for r in rows if r[1].penalized]
+  if not rows:
+    return None
+  counts = np.zeros((R, vocab_size), np.float32)
+  freq, pres, rep = np.zeros(R, np.float32), np.zeros(R, np.float32), np.ones(R, np.float32)
+  for i, p, out in rows:
+    np.add.at(counts[i], np.asarray(out, np.int64), 1.0)
+    freq[i], pres[i], rep[i] = p.frequency_penalty, p.presence_penalty, p.repetition_penalty
+  return Penalties(counts, freq, pres, rep)
+
+
+@struct.dataclass
+class DeviceState:
+  """What the engine keeps on the device: the weights it serves and the KV cache.
+
+  Attributes:
+    params: ``model.inference_params()``, owned by the engine (copied at every weight sync).
+    cache: ``model.init_cache(num_slots, cache_len)``; donated to the programs that write it.
+  """
+  params: Any
+  cache: Any
+
+
+# ---- cache axes -------------------------------------------------------------------------------
+def cache_axes(model) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(batch axes, length axes) of the cache leaves, in leaf order (-1: the leaf has none),
+  found by comparing two abstract caches. A flat tuple is hashable, so the programs take it as
+  a static argument."""
+  a = jax.eval_shape(lambda: model.init_cache(batch_size=2, max_len=8))
+  b = jax.eval_shape(lambda: model.init_cache(batch_size=3, max_len=16))
+
+  def axis_where(x, y, want_x, want_y):
+    hits = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if (p, q) == (want_x, want_y)]
+    return hits[0] if hits else -1
+
+  batch_ax = [axis_where(x, y, 2, 3) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  len_ax = [axis_where(x, y, 8, 16) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  if any(ax < 0 for ax in batch_ax):
+    raise ValueError("model.init_cache returned a leaf without a batch axis; the engine "
+                     "needs every cache array to have one (rows are slots).")
+  return tuple(batch_ax), tuple(len_ax)
+
+
+def _axes_tree(cache, axes: tuple[int, ...]):
+  return jax.tree.unflatten(jax.tree.structure(cache), axes)
+
+
+# ---- programs ---------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def prefill(fns, params, cache, batch: PrefillBatch):
+  """Prefills one chunk for P rows; returns the cache and each row's last-token logits.
+
+  Only the chunk's keys and values are written into the (donated) cache; gathering whole rows
+  out and scattering them back cost more than the chunk's compute at long cache lengths.
+  """
+  _traced("prefill")
+  C = batch.tokens_PxC.shape[1]
+  positions_PxC = batch.start_P[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+  hidden_PxCxD, cache = fns(params, batch.tokens_PxC, positions_PxC, cache, batch.start_P,
+                            batch.rows_P)
+  last_PxD = jnp.take_along_axis(hidden_PxCxD, (batch.n_valid_P - 1)[:, None, None],
+                                 axis=1)[:, 0]
+  return cache, fns.logits(params, last_PxD[:, None])[:, 0]
+
+
+@jax.jit
+def sample(logits_PxV, arrays: SamplingArrays, positions_P):
+  """One token per row (and its logprob)."""
+  _traced("sample")
+  return arrays.sample(logits_PxV, positions_P)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def decode(fns, n_steps: int, params, cache, batch: DecodeBatch, arrays: SamplingArrays,
+           penalties: Penalties | None = None):
+  """n_steps decode steps over the first R rows of the cache (in place: no slice, no copy).
+
+  Returns (cache, tokens_RxN, logps_RxN). A batch with penalties compiles its own program.
+  """
+  _traced("decode")
+  active_R = batch.active_R
+
+  def step(carry, _):
+    cache, tok_R, len_R, counts_RxV = carry
+    hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R)
+    logits_RxV = fns.logits(params, hidden_Rx1xD)[:, 0]
+    if penalties is not None:
+      logits_RxV = penalties.apply(logits_RxV, counts_RxV)
+    new_R, logp_R = arrays.sample(logits_RxV, len_R + 1)
+    if penalties is not None:
+      counts_RxV = counts_RxV.at[jnp.arange(new_R.shape[0]), new_R].add(
+          active_R.astype(counts_RxV.dtype))
+    tok_R = jnp.where(active_R, new_R, tok_R)
+    len_R = len_R + active_R.astype(jnp.int32)
+    return (cache, tok_R, len_R, counts_RxV), (new_R, logp_R)
+
+  counts0 = penalties.counts_RxV if penalties is not None else None
+  (cache, _, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
+      step, (cache, batch.tokens_R, batch.lengths_R, counts0), None, length=n_steps)
+  return cache, toks_NxR.T, logps_NxR.T
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def score(fns, chunk: int, top_k: int, params, cache, tokens_1xT, temperature):
+  """Next-token log-probs (and top-k alternatives) at every position of one sequence.
+
+  One prefill of the whole (padded) sequence into a fresh cache; the vocabulary projection
+  runs ``chunk`` positions at a time so no [T, V] float32 block is materialised at once.
+  """
+  _traced("score")
+  T = tokens_1xT.shape[1]
+  positions_1xT = jnp.arange(T, dtype=jnp.int32)[None]
+  hidden_1xTxD, _ = fns(params, tokens_1xT, positions_1xT, cache, jnp.zeros((1,), jnp.int32))
+  targets_T = jnp.concatenate([tokens_1xT[0, 1:], jnp.zeros((1,), tokens_1xT.dtype)])
+  hidden_NxCxD = hidden_1xTxD[0].reshape(T // chunk, chunk, -1)
+
+  def one(args):
+    h_CxD, tgt_C = args
+    logits_CxV = fns.logits(params, h_CxD[None])[0]
+    return sampling.score_chunk(logits_CxV, tgt_C, temperature, top_k)
+  lp_NxC, top_lp, top_id = jax.lax.map(one, (hidden_NxCxD, targets_T.reshape(T // chunk, chunk)))
+  return (lp_NxC.reshape(T), top_lp.reshape(T, top_k), top_id.reshape(T, top_k))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def resize(len_axes: tuple[int, ...], new_len: int, cache):
+  """The cache with its length axis cut or zero-padded to new_len (no donation: the shape
+  changes, so XLA could not reuse the buffer anyway)."""
+  _traced("resize")
+
+  def one(x, ax):
+    if ax < 0:
+      return x
+    old = x.shape[ax]
+    if new_len <= old:
+      return jax.lax.slice_in_dim(x, 0, new_len, axis=ax)
+    pad = [(0, 0)] * x.ndim
+    pad[ax] = (0, new_len - old)
+    return jnp.pad(x, pad)
+  return jax.tree.map(one, cache, _axes_tree(cache, len_axes))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def copy_row(batch_axes: tuple[int, ...], cache, src, dst):
+  """The cache with row `dst` replaced by row `src` (a prefix shared across slots).
+
+  The whole row is copied: positions past the shared prefix are stale for `dst`, as after any
+  session's truncation, and are overwritten by its prefill before anything attends to them.
+  """
+  _traced("copy_row")
+
+  def one(x, ax):
+    row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=ax)
+  return jax.tree.map(one, cache, _axes_tree(cache, batch_axes))
+
+
+__all__ = ["DecodeBatch", "DeviceState", "Penalties", "PrefillBatch", "SamplingArrays",
+           "cache_axes", "copy_row", "counting", "decode", "penalties", "prefill", "resize",
+           "sample", "sampling_arrays", "score"]
