@@ -171,6 +171,31 @@ def test_update_weights_exports_then_loads_from_disk(tmp_path):
   asyncio.run(go())
 
 
+def test_trainer_sync_goes_through_update_weights_of_the_configured_engine(tmp_path):
+  """The trainer's one sync path on an SGLang run: make_engine builds the client with the
+  run's export folder, Trainer.sync_weights hands it the learner's model, and the servers load
+  the exported folder (no engine-specific branch in the trainer)."""
+  import types
+  from ml_collections import config_dict
+  from rao_jax import experiment as X
+  from rao_jax.testing import tiny_model
+  from rao_jax.trainer import Trainer
+  model = tiny_model(1)
+
+  async def go():
+    async with FakeSGLang() as srv:
+      config = config_dict.ConfigDict({"rollout": {"engine": "sglang", "urls": (srv.url,)}})
+      engine = X.make_engine(config, model, None, export_dir=str(tmp_path / "weights"))
+      trainer = types.SimpleNamespace(engine=engine, _local_model=lambda: model)
+      seconds = await Trainer.sync_weights(trainer, 2)
+      loads = [b for p, b in srv.controls if p == "/update_weights_from_disk"]
+      assert loads == [{"model_path": str(tmp_path / "weights" / "v000002"),
+                        "weight_version": "2", "flush_cache": True}]
+      assert seconds > 0 and engine.weight_version == "2"
+      await engine.close()
+  asyncio.run(go())
+
+
 def test_seed_warning_once_per_server(caplog):
   async def go(deterministic):
     async with FakeSGLang(deterministic=deterministic) as srv:
