@@ -171,3 +171,22 @@ def test_ablation_options_on_the_worked_example():
     compute_rewards_and_advantages(trees, advantage="leaf")
   with pytest.raises(ValueError, match="train_nodes='kids'"):
     compute_rewards_and_advantages(trees, train_nodes="kids")
+
+
+def test_children_take_their_own_groups_baseline_when_groups_are_interleaved():
+  # Two groups whose trees alternate in the batch; every child's baseline must be its own
+  # tree's leave-one-out mean over ITS group's roots (a baseline taken from the other group,
+  # or from batch neighbours, changes these numbers).
+  def tree(tid, gid, root_s, child_s):
+    return make_tree(tid, gid, [make_node("r", None, 0, ["c"], root_s, "verifier"),
+                                make_node("c", "r", 1, [], child_s, "verifier")])
+  trees = [tree("a1", "A", 1.0, 1.0), tree("b1", "B", 0.0, 1.0),
+           tree("a2", "A", 0.0, 0.0), tree("b2", "B", 0.0, 0.0),
+           tree("a3", "A", 1.0, 0.0), tree("b3", "B", 1.0, 1.0)]
+  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  root_r = {"a1": 1.5, "b1": 0.5, "a2": 0.0, "b2": 0.0, "a3": 1.0, "b3": 1.5}
+  groups = {"A": ["a1", "a2", "a3"], "B": ["b1", "b2", "b3"]}
+  for i, (t, n) in enumerate(zip(adv.tree_ids, adv.node_ids)):
+    mates = [u for u in groups[t[0].upper()] if u != t]
+    assert adv.baseline_N[i] == pytest.approx(np.mean([root_r[u] for u in mates])), (t, n)
+    assert adv.advantage_N[i] == pytest.approx(adv.reward_N[i] - adv.baseline_N[i])
