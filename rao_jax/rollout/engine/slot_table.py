@@ -79,6 +79,7 @@ class Req:
   done: bool = False
 
   def record(self, token: int, logp: float) -> None:
+    """Appends one generated token and its logprob."""
     self.out.append(token)
     self.logps.append(logp)
 
@@ -141,6 +142,7 @@ class SlotTable:
 
   # ---- queries -------------------------------------------------------------------------------
   def any_running(self) -> bool:
+    """Whether any slot has a request admitted (prefilling or decoding)."""
     return any(s.req is not None for s in self.slots)
 
   def requests(self) -> list[Req]:
@@ -148,9 +150,11 @@ class SlotTable:
     return list(self.waiting) + [s.req for s in self.slots if s.req is not None]
 
   def prefilling(self) -> list[Slot]:
+    """Slots whose request still has prompt tokens to prefill."""
     return [s for s in self.slots if s.req is not None and not s.req.decoding]
 
   def decoding(self) -> list[Slot]:
+    """Slots whose request generates (its prompt is in the cache)."""
     return [s for s in self.slots if s.req is not None and s.req.decoding]
 
   def held_need(self) -> int:
