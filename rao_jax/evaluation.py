@@ -216,26 +216,19 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
 
 
 def load_checkpoint(workdir: str, step: int | None = None):
-  """(model, tokenizer, step, config) of a training run's checkpoint `step` (default: newest),
-  restored onto this process's devices (``serve --checkpoint`` uses it)."""
-  from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
+  """(model, tokenizer, step, config) of a training run's checkpoint `step` (default: newest).
+
+  The run's policy (``experiment.load_policy``) with the checkpoint's parameters, read by
+  ``rao_jax.learner.checkpoint.restore_params`` (the one checkpoint loader; serve uses it too).
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from rao_jax.learner.checkpoint import restore_params  # pylint: disable=g-import-not-at-top
   workdir = os.path.abspath(workdir)
   config = X.load_config(workdir)
   model, tokenizer = X.load_policy(config)
-  learner = Learner(X.learner_config(config, workdir), model.cfg, mesh=X.make_mesh("auto"),
-                    params=model)
-  del model
-  steps = learner._checkpointer().all_steps()  # pylint: disable=protected-access
-  if not steps:
-    raise FileNotFoundError(f"No checkpoint in {learner.cfg.ckpt_dir}: train first "
-                            "(python -m experiments.train --workdir=...).")
-  if step is not None and step not in steps:
-    raise ValueError(f"step={step}: no such checkpoint in {learner.cfg.ckpt_dir}; "
-                     f"available steps: {steps}.")
-  step = steps[-1] if step is None else step
-  learner.restore(step)
-  model = learner.model
-  learner.close()
+  params, step = restore_params(X.learner_config(config, workdir).ckpt_dir,
+                                nnx.state(model, nnx.Param), step)
+  nnx.update(model, params)
   return model, tokenizer, step, config
 
 
@@ -245,7 +238,10 @@ async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
   workdir = os.path.abspath(workdir)
   model, tokenizer, step, config = load_checkpoint(workdir, step)
   env = make_env(config, task_files)
-  engine = X.make_engine(config, model, tokenizer, weight_version=f"ckpt{step}")
+  engine = X.make_engine(config, model, tokenizer)
+  engine_version = f"ckpt{step}"
+  if hasattr(engine, "update_weights"):
+    engine.update_weights(model, engine_version)
   del model
   out_dir = out_dir or os.path.join(workdir, "evaluation", f"step_{step:06d}")
   results: dict[str, Any] = {"workdir": workdir, "step": step}

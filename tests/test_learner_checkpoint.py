@@ -133,3 +133,42 @@ def test_sigkill_during_save_loses_only_that_save(tmp_path):
   learner.save(2, extra={"data_position": 2})
   learner.close()
   assert sorted(os.listdir(ckpt)) == ["1", "2"]
+
+
+def test_restore_params_reads_only_the_policy(tmp_path):
+  # What serve --checkpoint and evaluation read: the parameters of a step, into a model's own
+  # structure and dtypes, without building a learner or reading the optimizer state.
+  import dataclasses
+  import jax.numpy as jnp
+  from flax import nnx
+  from rao_jax.learner.checkpoint import restore_params
+  from rao_jax.model import Transformer
+  learner = Learner(lcfg(tmp_path), MODEL_CFG, params=init_params(MODEL_CFG, 0))
+  learner.save(1)
+  # Step 2's parameters differ from step 1's (no training needed to tell them apart).
+  learner.state = dataclasses.replace(
+      learner.state, params=jax.tree.map(lambda x: x * 2, learner.state.params))
+  learner.save(2)
+  learner.wait_for_checkpoints()
+  want = snapshot(learner.state.params)
+  learner.close()
+  target = nnx.state(Transformer(MODEL_CFG, rngs=nnx.Rngs(7)), nnx.Param)
+  got, step = restore_params(str(tmp_path), target)
+  assert step == 2
+  assert jax.tree.structure(got) == jax.tree.structure(target)
+  assert_same(snapshot(got), want)
+  older, step = restore_params(str(tmp_path), target, step=1)
+  assert step == 1
+  assert_same([2 * x for x in snapshot(older)], want)
+  # The target's dtype wins (a bfloat16 server reads float32 master weights).
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target)
+  got, _ = restore_params(str(tmp_path), half)
+  assert {x.dtype for x in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"available steps: \[1, 2\]"):
+    restore_params(str(tmp_path), target, step=5)
+  other = nnx.state(Transformer(tiny_model_config(d_model=MODEL_CFG.d_model * 2),
+                                rngs=nnx.Rngs(0)), nnx.Param)
+  with pytest.raises(ValueError, match="has shape"):
+    restore_params(str(tmp_path), other)
+  with pytest.raises(FileNotFoundError, match="train first"):
+    restore_params(str(tmp_path / "none"), target)

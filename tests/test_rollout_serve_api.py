@@ -253,6 +253,8 @@ def test_server_info_internal_states(srv):
     info = requests.get(srv.url + "/get_server_info").json()
     assert isinstance(info["internal_states"], list) and len(info["internal_states"]) == 1
     return info["internal_states"][0]
+  from rao_jax.rollout.serve.protocol import ServedEngine
+  assert isinstance(srv.engine, ServedEngine)  # the embedded engine has every member
   state()                                      # starts a measuring interval
   before = srv.engine.stats["decode_tokens"]
   gen(srv, {"input_ids": srv.tokenizer.encode(PROMPT),

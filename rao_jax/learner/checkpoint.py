@@ -134,8 +134,9 @@ def restore_params(directory: str, params, step: int | None = None) -> tuple[Any
     (params, step): the restored state, shaped like ``params``, and the step read.
 
   Raises:
-    FileNotFoundError: no checkpoint, or no checkpoint of ``step``.
-    ValueError: the checkpoint's parameters do not match ``params`` (names or shapes).
+    FileNotFoundError: no checkpoint at all.
+    ValueError: no checkpoint of ``step`` (the message lists the steps there), or the
+      checkpoint's parameters do not match ``params`` (names or shapes).
   """
   directory = os.path.abspath(os.fspath(directory))
   if not os.path.isdir(directory):
@@ -150,8 +151,8 @@ def restore_params(directory: str, params, step: int | None = None) -> tuple[Any
       raise FileNotFoundError(f"No checkpoint in {directory!r}: train first "
                               "(python -m experiments.train --workdir=...).")
     if step is not None and step not in steps:
-      raise FileNotFoundError(f"step={step}: no such checkpoint in {directory!r}; available "
-                              f"steps: {steps}.")
+      raise ValueError(f"step={step}: no such checkpoint in {directory!r}; available "
+                       f"steps: {steps}.")
     step = steps[-1] if step is None else int(step)
     flat, treedef = flatten_with_names({"params": params})
     saved = mngr.item_metadata(step)["state"]
