@@ -238,10 +238,7 @@ async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
   workdir = os.path.abspath(workdir)
   model, tokenizer, step, config = load_checkpoint(workdir, step)
   env = make_env(config, task_files)
-  engine = X.make_engine(config, model, tokenizer)
-  engine_version = f"ckpt{step}"
-  if hasattr(engine, "update_weights"):
-    engine.update_weights(model, engine_version)
+  engine = X.make_engine(config, model, tokenizer, weight_version=f"ckpt{step}")
   del model
   out_dir = out_dir or os.path.join(workdir, "evaluation", f"step_{step:06d}")
   results: dict[str, Any] = {"workdir": workdir, "step": step}
