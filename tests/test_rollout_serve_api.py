@@ -278,6 +278,36 @@ def test_server_info_internal_states(srv):
 
 
 @pytest.mark.slow
+def test_typed_bodies_refused_over_http(srv):
+  # Every body is a typed model: a value of the wrong type or range is a 400 whose message
+  # names the field and the value (OpenAI's error also in `param`); nothing reaches the engine.
+  running = srv.engine.stats["prompt_tokens"]
+  for path, body, field, value in (
+      ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}},
+       "temperature", "'hot'"),
+      ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2.5}},
+       "max_new_tokens", "2.5"),
+      ("/generate", {"input_ids": [1, 2], "stream": "yes"}, "stream", "'yes'"),
+      ("/generate", {"input_ids": [1, 2], "rid": 7}, "rid", "7"),
+      ("/pause_generation", {"mode": "later"}, "mode", "'later'"),
+      ("/abort_request", {"rid": 3}, "rid", "3"),
+      ("/update_weight_version", {"new_version": "v", "abort_all_requests": "no"},
+       "abort_all_requests", "'no'"),
+      ("/update_weights_from_disk", {"weight_version": "3"}, "model_path", "required")):
+    r = requests.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 400, (path, body, r.text)
+    msg = r.json()["error"]["message"]
+    assert field in msg and value in msg, (path, msg)
+  for path, body, field in (
+      ("/v1/completions", {"prompt": "a", "max_tokens": "9"}, "max_tokens"),
+      ("/v1/completions", {"prompt": "a", "temperature": [1]}, "temperature"),
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 0}, "n")):
+    r = requests.post(srv.url + path, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+  assert srv.engine.stats["prompt_tokens"] == running
+
+
+@pytest.mark.slow
 def test_openai_client_models_completions_and_chat(srv):
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
   assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -496,8 +496,16 @@ def finish_reason_json(r: GenerateResult, max_new: int, matched: Any = None) -> 
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-  """How many trailing characters of a partial output a stream must not send yet: an
-  incomplete UTF-8 character, or the start of a stop string that may complete later."""
+  """How many trailing characters of a partial output a stream must not send yet.
+
+  Args:
+    text: the output decoded so far.
+    stops: the request's stop strings.
+
+  Returns:
+    The length of the longest tail that is an incomplete UTF-8 character (decoded as U+FFFD)
+    or the start of a stop string that may complete with the next tokens.
+  """
   hold = 0
   for s in stops:
     for k in range(min(len(s) - 1, len(text)), 0, -1):
