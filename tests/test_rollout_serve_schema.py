@@ -168,3 +168,25 @@ def test_schema_loads_no_web_framework_or_jax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        check=True).stdout.strip()
   assert out == ""
+
+
+def test_sglang_output_shapes():
+  from rao_jax.rollout.serve.schema import Done, Item, sglang_output, sglang_partial
+  smp = parse_sampling({"max_new_tokens": 3}, EOS, True)
+  it = Item(prompt=[5, 6], sampling=smp, params=smp.params, rid="r", return_logprob=True,
+            logprob_start_len=1, top_logprobs_num=1, text_in_logprobs=True)
+  d = Done(item=it, ids=[8, 2], logps=[-0.5, -0.25], finish={"type": "stop", "matched": 2},
+           text="h", cached=1, version="3", latency=0.1, input_lps=[[-1.0, 6]],
+           input_top=[[(-0.9, 4)]], output_top=[[(-0.5, 8)], [(-0.25, 2)]])
+  out = sglang_output(d, lambda t: f"<{t}>", index=1)
+  assert out["text"] == "h" and out["output_ids"] == [8, 2] and out["index"] == 1
+  m = out["meta_info"]
+  assert (m["id"], m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"],
+          m["weight_version"]) == ("r", 2, 2, 1, "3")
+  assert m["output_token_logprobs"] == [[-0.5, 8, "<8>"], [-0.25, 2, "<2>"]]
+  assert m["input_token_logprobs"] == [[-1.0, 6, "<6>"]]
+  assert m["input_top_logprobs"] == [[[-0.9, 4, "<4>"]]]
+  assert m["output_top_logprobs"][1] == [[-0.25, 2, "<2>"]]
+  part = sglang_partial(it, [8], [-0.5], None, "3", str)
+  assert "text" not in part and "index" not in part and part["meta_info"]["finish_reason"] is None
+  assert part["meta_info"]["output_token_logprobs"] == [[-0.5, 8, "8"]]

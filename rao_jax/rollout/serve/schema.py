@@ -20,7 +20,7 @@ import dataclasses
 import types
 import typing
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from rao_jax.rollout.base import FinishReason, GenerateResult, SamplingParams
 
@@ -493,6 +493,75 @@ def finish_reason_json(r: GenerateResult, max_new: int, matched: Any = None) -> 
     return {"type": "length", "length": len(r.token_ids), "reason": "context",
             "message": r.message}
   return {"type": "abort", "message": r.message or "aborted"}
+
+
+def _lp_entry(lp, tok, it: Item, text_of: Callable[[int], str]) -> list:
+  return [lp, int(tok), text_of(tok) if it.text_in_logprobs else None]
+
+
+def sglang_output(d: Done, text_of: Callable[[int], str], index: int | None = None) -> dict:
+  """A finished item as SGLang's /generate answers it: text, output_ids and meta_info.
+
+  SGLang trims only the text at a stop: ``output_ids`` keep every generated id, matching
+  ``completion_tokens`` and ``output_token_logprobs``.
+
+  Args:
+    d: the finished item.
+    text_of: one token's text (for ``return_text_in_logprobs``).
+    index: the item's index in a batch or ``n`` answer (None: a single answer).
+
+  Returns:
+    The JSON object.
+  """
+  it = d.item
+  meta = {"id": it.rid, "finish_reason": d.finish, "prompt_tokens": len(it.prompt),
+          "weight_version": d.version, "completion_tokens": len(d.ids),
+          "cached_tokens": d.cached, "e2e_latency": d.latency}
+  if it.return_logprob:
+    meta["input_token_logprobs"] = [_lp_entry(lp, t, it, text_of) for lp, t in (d.input_lps or [])]
+    meta["output_token_logprobs"] = [_lp_entry(lp, t, it, text_of)
+                                     for lp, t in zip(d.logps, d.ids)]
+    if it.top_logprobs_num:
+      def top(alts):
+        return None if alts is None else [_lp_entry(lp, t, it, text_of) for lp, t in alts]
+      meta["input_top_logprobs"] = [top(a) for a in (d.input_top or [])]
+      meta["output_top_logprobs"] = [top(a) for a in (d.output_top or [])]
+  out = {"output_ids": d.ids, "meta_info": meta}
+  if d.text is not None:
+    out = {"text": d.text, **out}
+  if index is not None:
+    out["index"] = index
+  return out
+
+
+def sglang_partial(it: Item, ids: list[int], logps: list[float], text: str | None,
+                   version: str, text_of: Callable[[int], str], index: int | None = None
+                   ) -> dict:
+  """A streamed chunk of an unfinished item (cumulative, like SGLang's default stream).
+
+  Args:
+    it: the item.
+    ids: the ids generated so far.
+    logps: their log-probs.
+    text: the text a stream may show so far (None without a tokenizer).
+    version: the weight version being served.
+    text_of: one token's text (for ``return_text_in_logprobs``).
+    index: the item's index in a batch or ``n`` answer.
+
+  Returns:
+    The JSON object, with ``finish_reason: None``.
+  """
+  meta = {"id": it.rid, "finish_reason": None, "prompt_tokens": len(it.prompt),
+          "weight_version": version, "completion_tokens": len(ids), "cached_tokens": 0}
+  if it.return_logprob:
+    meta["input_token_logprobs"] = []
+    meta["output_token_logprobs"] = [_lp_entry(lp, t, it, text_of) for lp, t in zip(logps, ids)]
+  out = {"output_ids": list(ids), "meta_info": meta}
+  if text is not None:
+    out = {"text": text, **out}
+  if index is not None:
+    out["index"] = index
+  return out
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

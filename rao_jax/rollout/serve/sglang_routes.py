@@ -8,57 +8,22 @@ from aiohttp import web
 
 from rao_jax.rollout.serve import sse
 from rao_jax.rollout.serve.core import ServerCore, sglang_error
-from rao_jax.rollout.serve.schema import BadRequest, Done, Item, parse_generate
+from rao_jax.rollout.serve.schema import (BadRequest, Done, Item, parse_generate,
+                                          sglang_output, sglang_partial)
 
 
 class SGLangRoutes(ServerCore):
   """/generate and the SGLang response formatting."""
 
-  def _lp_entry(self, lp, tok, it: Item):
-    text = self._decode([tok], False) if it.text_in_logprobs else None
-    return [lp, int(tok), text]
-
-  def _top_entry(self, alts, it: Item):
-    if alts is None:
-      return None
-    return [self._lp_entry(lp, t, it) for lp, t in alts]
+  def _text_of(self, tok: int) -> str:
+    return self._decode([tok], False)
 
   def _sglang_json(self, d: Done, index: int | None = None) -> dict:
-    it = d.item
-    meta = {
-        "id": it.rid, "finish_reason": d.finish, "prompt_tokens": len(it.prompt),
-        "weight_version": d.version, "completion_tokens": len(d.ids),
-        "cached_tokens": d.cached, "e2e_latency": d.latency,
-    }
-    if it.return_logprob:
-      meta["input_token_logprobs"] = [self._lp_entry(lp, t, it) for lp, t in (d.input_lps or [])]
-      meta["output_token_logprobs"] = [self._lp_entry(lp, t, it) for lp, t in zip(d.logps, d.ids)]
-      if it.top_logprobs_num:
-        meta["input_top_logprobs"] = [self._top_entry(a, it) for a in (d.input_top or [])]
-        meta["output_top_logprobs"] = [self._top_entry(a, it) for a in (d.output_top or [])]
-    # SGLang trims only the text at a stop: output_ids keep every generated id, matching
-    # completion_tokens and output_token_logprobs.
-    out = {"output_ids": d.ids, "meta_info": meta}
-    if d.text is not None:
-      out = {"text": d.text, **out}
-    if index is not None:
-      out["index"] = index
-    return out
+    return sglang_output(d, self._text_of, index)
 
   def _sglang_partial(self, it: Item, ids, logps, index: int | None) -> dict:
-    meta = {"id": it.rid, "finish_reason": None, "prompt_tokens": len(it.prompt),
-            "weight_version": str(self.engine.weight_version), "completion_tokens": len(ids),
-            "cached_tokens": 0}
-    if it.return_logprob:
-      meta["input_token_logprobs"] = []
-      meta["output_token_logprobs"] = [self._lp_entry(lp, t, it) for lp, t in zip(logps, ids)]
-    out = {"output_ids": list(ids), "meta_info": meta}
-    text = self._visible_text(it, ids)
-    if text is not None:
-      out = {"text": text, **out}
-    if index is not None:
-      out["index"] = index
-    return out
+    return sglang_partial(it, ids, logps, self._visible_text(it, ids),
+                          str(self.engine.weight_version), self._text_of, index)
 
   async def generate(self, request: web.Request) -> web.StreamResponse:
     """POST /generate (SGLang's GenerateReqInput)."""
