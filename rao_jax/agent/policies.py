@@ -14,6 +14,10 @@ benchmark deterministic.
     ingredient (plus one helper for the shallow craftable ones), crafts its targets from what
     they made and finishes. Helpers whose targets are shallow (depth < `delegate_min_depth`)
     work as single agents.
+With a craft budget per agent (the environment's tool docs state it, `craft_budget` in the REPL),
+the "program" style of a recursive node adapts its decomposition to the budget
+(`budget_program_turn`): it crafts what fits and gives each sub-target that does not to a
+helper, recursively, so every agent stays within its budget.
 It relies on a ChatML-style transcript only through markers it prints itself ("INFO ...").
 Those lines are compact, `INFO <item> (crafting_depth, in_inventory, recipes)`: `can_craft` and
 `is_base` follow from the depth and the recipes, and the model that imitates these
@@ -37,6 +41,7 @@ _COUNT_ITEM = re.compile(r"(\d+)x ([\w:]+)")
 _INFO = re.compile(r"INFO ([\w:]+) (\([^\n]*\))")
 _BUDGET = re.compile(r"your step budget \(your turns plus your helpers' turns\) is (\d+)")
 _DEPTH = re.compile(r"you are at depth (\d+)")
+_CRAFT_BUDGET = re.compile(r"each agent may call craft at most (\d+) times")
 _DONE_MARK = "# crafting plan"
 STYLES = ("plan", "program")
 
@@ -259,6 +264,56 @@ def make(item, n):
   print(craft({x: c * k for x, c in r['ingredients'].items()}, (item, k * r['result_count'])))"""
 
 
+_SIZE = """\
+def size(item):
+  i = get_info([item])[0]
+  return 0 if i['is_base'] else 1 + sum(size(x) for x in i['recipes'][0]['ingredients'])
+async def split(goal, left, steps):
+  big = {}
+  for x, n in sorted(goal.items(), key=lambda e: size(e[0])):
+    if size(x) <= left:
+      left -= size(x)
+      make(x, n)
+    elif size(x):
+      big[x] = n
+  total = sum(size(x) for x in big) or 1
+  print(await asyncio.gather(*[launch_subagent({x: n}, max(1, steps * size(x) // total)) for x, n in big.items()]))"""
+
+_BUDGET_MAIN = """\
+if len(goal) == 1 and size(list(goal)[0]) > craft_budget:
+  (item, n), = goal.items()
+  r = get_info([item])[0]['recipes'][0]
+  k = -(-n // r['result_count'])
+  goal = {x: c * k for x, c in r['ingredients'].items()}
+  await split(goal, craft_budget - 1, steps)
+  print(craft(goal, (item, k * r['result_count'])))
+else:
+  await split(goal, craft_budget, steps)
+finish('done')"""
+
+
+def budget_program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
+  """A recursive "program" turn under a craft budget: one generic cell, adapted to the budget.
+
+  `size(x)` counts the crafts of x's recipe tree (every occurrence crafted on its own, as
+  `make` does). A goal that fits `craft_budget` is crafted here. A single target that does not
+  fit is crafted here from its ingredients: those that fit the rest of the budget (smallest
+  first) are crafted here too, and each of the others goes to a helper. With several targets,
+  the same rule applies to the targets themselves. Helpers share this node's step budget in
+  proportion to their sizes. A helper runs the same cell, so the decomposition recurses until
+  each agent's part fits its own budget. Only the goal and the step budget (copied from the
+  prompt) change between demonstrations, so a small model has one program to learn.
+  """
+  if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
+    return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
+  m = _BUDGET.search(prompt_text)
+  # This turn is already counted when the cell runs, and launch_subagent keeps one step back.
+  steps = max(1, int(m.group(1)) - 2) if m else 1
+  goal = "{" + ", ".join(f"{item!r}: {n}" for item, n in targets.items()) + "}"
+  return ("Craft what fits my craft budget; helpers craft the rest.\n```python\n" + _SOLVER
+          + "\n" + _SIZE + f"\ngoal = {goal}\nsteps = {steps}\n" + _BUDGET_MAIN + "\n```")
+
+
 def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   """A "program" style turn: one generic cell instead of a plan with computed counts.
 
@@ -273,6 +328,8 @@ def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
     return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
   can_launch = ("await launch_subagent(" in prompt_text
                 and "(you cannot launch helpers)" not in prompt_text)
+  if can_launch and _CRAFT_BUDGET.search(prompt_text):
+    return budget_program_turn(prompt_text, targets)
   if can_launch and len(targets) > 1:
     calls = "\n".join(f" launch_subagent({{{item!r}: {n}}}, 20)," for item, n in targets.items())
     return ("One helper per target.\n```python\nprint(await asyncio.gather(\n" + calls

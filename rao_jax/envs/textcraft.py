@@ -6,6 +6,11 @@ Tool semantics follow the RAO authors' definition (see ENVIRONMENTS.md):
 inventory (the tree's `TextCraftEpisode`); crafts are atomic under a lock, so concurrent children
 can interleave but never corrupt it.
 
+Optionally each agent (node) may call `craft` at most `craft_budget` times (0 = no limit),
+counted per node on the trusted side; past it `craft` changes nothing and says that this
+agent's budget is spent and that helpers have their own (see `textcraft_synth` for why). The
+episode records every node's tool calls (`summary()["tool_calls"]`).
+
 The recipe data (``data/textcraft/``, MIT licence in ``LICENSE.platoon``) holds Minecraft recipe
 JSON files: shaped and shapeless crafting recipes whose ingredients are items, tags
 (``tag:planks``: any concrete item of that kind). Other recipe types
@@ -195,20 +200,48 @@ class TextCraftEpisode(base.Episode):
   worker threads) are atomic.
   """
 
-  def __init__(self, task: base.Task, book: RecipeBook):
+  def __init__(self, task: base.Task, book: RecipeBook, craft_budget: int = 0):
     super().__init__(task)
     self.book = book
+    # Calls of `craft` each node may make (0 = unlimited); a call past it is refused.
+    self.craft_budget = int(craft_budget)
     self.initial_inventory = dict(task.fields.get("initial_inventory", {}))
     self.inventory: dict[str, int] = dict(self.initial_inventory)
     self.lock = threading.Lock()
     # node_id -> item -> count produced by that node's own crafts (for the subtask verifier).
     self.crafted: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     self.num_crafts = 0
+    # node_id -> tool name -> calls (refused crafts under "craft_refused", not under "craft").
+    self.tool_calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
   # -- tools -----------------------------------------------------------------------------------
 
+  def count_call(self, node_id: str, tool: str) -> None:
+    """Records one call of `tool` by `node_id` (for the tree record)."""
+    with self.lock:
+      self.tool_calls[node_id][tool] += 1
+
   def craft(self, ingredients: Any, target: Any, node_id: str = "0") -> str:
-    """Consumes `ingredients` and produces `target = (item, total_count)`; see tool docs."""
+    """Consumes `ingredients` and produces `target = (item, total_count)`; see tool docs.
+
+    With a craft budget every call spends one unit of `node_id`'s budget, whatever it returns
+    (as every observation fills a window); a call past the budget changes nothing.
+    """
+    with self.lock:   # check and spend atomically: concurrent calls of one node cannot both pass
+      calls = self.tool_calls[node_id]
+      if self.craft_budget and calls["craft"] >= self.craft_budget:
+        calls["craft_refused"] += 1
+        return (f"Error: craft budget spent: this agent has used all {self.craft_budget} of its "
+                "craft calls; nothing was crafted and nothing changed. Helpers "
+                f"(launch_subagent, where available) each have their own {self.craft_budget}.")
+      calls["craft"] += 1
+      left = self.craft_budget - calls["craft"] if self.craft_budget else None
+    msg = self._craft(ingredients, target, node_id)
+    if left is not None and not msg.startswith("Error"):
+      msg += f" ({left} of {self.craft_budget} crafts left)"
+    return msg
+
+  def _craft(self, ingredients: Any, target: Any, node_id: str) -> str:
     if not isinstance(ingredients, dict):
       return f"Error: ingredients must be a dict, got {type(ingredients).__name__}."
     # The REPL forwards arguments as JSON, which turns tuples into lists: accept both.
@@ -329,8 +362,13 @@ class TextCraftEpisode(base.Episode):
     return total
 
   def summary(self) -> dict[str, Any]:
+    """Final inventory, crafts, and per node its tool calls (and the craft budget, if any)."""
     with self.lock:
-      return {"inventory": dict(self.inventory), "num_crafts": self.num_crafts}
+      out = {"inventory": dict(self.inventory), "num_crafts": self.num_crafts,
+             "tool_calls": {nid: dict(c) for nid, c in sorted(self.tool_calls.items())}}
+      if self.craft_budget:
+        out["craft_budget_per_agent"] = self.craft_budget
+      return out
 
 
 # Terse on purpose: the docs are in every node's prompt (see agent/prompts.py).
@@ -352,6 +390,13 @@ _SUBAGENT_DOCS = """\
     A helper crafts `targets` into the shared inventory with `num_steps` steps of your
     budget; returns its finish message. `context` passes what you know (recipes).
 """
+
+
+def _budget_docs(budget: int, recursive: bool) -> str:
+  helpers = (f" Each helper has its own {budget}: give a helper the parts you cannot craft."
+             if recursive else "")
+  return (f"Craft budget: each agent may call craft at most {budget} times (the REPL variable "
+          f"`craft_budget`); further calls fail and change nothing.{helpers}\n")
 
 
 def targets_goal(targets: Mapping[str, int], context: str = "") -> str:
@@ -378,7 +423,13 @@ class TextCraftEnv(base.Environment):
   name = "textcraft"
 
   def __init__(self, data_dir: str = DATA_DIR, book: RecipeBook | None = None,
-               tasks_by_split: Mapping[str, Sequence[base.Task]] | None = None):
+               tasks_by_split: Mapping[str, Sequence[base.Task]] | None = None,
+               craft_budget_per_agent: int = 0):
+    if (isinstance(craft_budget_per_agent, bool) or not isinstance(craft_budget_per_agent, int)
+        or craft_budget_per_agent < 0):
+      raise ValueError(f"craft_budget_per_agent={craft_budget_per_agent!r}: must be an int >= 0 "
+                       "(0: no limit on craft calls per agent).")
+    self.craft_budget_per_agent = craft_budget_per_agent
     self.data_dir = data_dir
     self.book = book if book is not None else RecipeBook.from_minecraft_dir(
         os.path.join(data_dir, "recipes"))
@@ -396,20 +447,36 @@ class TextCraftEnv(base.Environment):
     return self._tasks[split]
 
   def tool_docs(self, recursive: bool) -> str:
-    return _TOOL_DOCS + (_SUBAGENT_DOCS if recursive else "")
+    budget = self.craft_budget_per_agent
+    return (_TOOL_DOCS + (_SUBAGENT_DOCS if recursive else "")
+            + (_budget_docs(budget, recursive) if budget else ""))
 
   def new_episode(self, task: base.Task) -> TextCraftEpisode:
-    return TextCraftEpisode(task, self.book)
+    return TextCraftEpisode(task, self.book, craft_budget=self.craft_budget_per_agent)
 
   def node_tools(self, episode: base.Episode, node: base.NodeInfo) -> dict[str, base.Tool]:
     ep = episode
     assert isinstance(ep, TextCraftEpisode)
     nid = node.node_id
 
+    # Closures over this node's id: the budget and the counts are per agent, on the host side,
+    # so nothing the agent's code does in its REPL can reset or share them.
     def craft(ingredients, target):
       return ep.craft(ingredients, target, node_id=nid)
 
-    return {"craft": craft, "get_info": ep.get_info, "view_inventory": ep.view_inventory}
+    def get_info(items):
+      ep.count_call(nid, "get_info")
+      return ep.get_info(items)
+
+    def view_inventory():
+      ep.count_call(nid, "view_inventory")
+      return ep.view_inventory()
+
+    return {"craft": craft, "get_info": get_info, "view_inventory": view_inventory}
+
+  def node_variables(self, episode: base.Episode, node: base.NodeInfo) -> dict[str, Any]:
+    # The budget as a number a program can use (it is also stated in the tool docs).
+    return {"craft_budget": self.craft_budget_per_agent} if self.craft_budget_per_agent else {}
 
   def child_spec(self, episode, parent, args, kwargs) -> base.ChildSpec:
     names = ("targets", "num_steps", "context")

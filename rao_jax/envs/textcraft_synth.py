@@ -14,6 +14,24 @@ costed separately, rounded up per occurrence. That is at least what any plan fol
 recipe tree needs (a single agent merging equal intermediates needs less), so a recursive agent
 whose children each craft their own sub-targets from raw materials is never starved by a
 sibling, whatever the interleaving.
+
+A craft budget per agent (`SynthConfig.craft_budget_per_agent`, 0 = off) makes recursion
+necessary. Without it one agent's program crafts every target in one cell (a 135M model's warm
+start already solved 64 of 64 held-out easy tasks that way), so no task needs a helper however
+small the context window. A budget of turns or tokens does not close that route: a program in one
+cell spends one turn and prints nothing. The budget counts `craft` calls, each agent its own, on
+the trusted side (`textcraft.TextCraftEpisode.craft`), and a program in one cell still spends one
+unit per call. Each distinct intermediate of a target needs a craft call of its own: the initial
+inventory holds only base materials, and a call crafts one item. So the number of distinct
+craftable items in a task's recipe closure (`closure_crafts`) is a lower bound on the crafts of
+any single agent, whatever its plan or program, and a budget below it means no single agent can
+solve the task. A recursive agent stays within the budget. It crafts what fits and hands the
+rest to helpers, each with a budget of its own, in the same way that children get fresh context
+windows in the paper. Counting `get_info` instead would not bound anything: one call takes a
+list, and the generic item names can be enumerated. The budget is sized like a window: at
+`craft_budget_per_agent=8` the closure of 95% of the medium and all the hard tasks is larger
+(`closure_crafts`; benchmarks/results/recursion_caps.json measures it), while any sub-target
+whose recipe tree has at most 8 crafts fits one helper.
 """
 from __future__ import annotations
 
@@ -45,6 +63,9 @@ class SynthConfig:
     max_count: most units of one target item.
     max_steps: the tree step budget of every task.
     inventory_slack: extra fraction of each base material (0.1 = up to 10% more).
+    craft_budget_per_agent: most `craft` calls of one agent (node), each node its own; 0 = no
+      limit. See the module docstring for why this, not a turn or token budget, forces
+      recursion.
   """
   seed: int = 0
   items_per_tier: int = 200
@@ -53,6 +74,7 @@ class SynthConfig:
   max_count: int = 2
   max_steps: int = SYNTH_MAX_STEPS
   inventory_slack: float = 0.1
+  craft_budget_per_agent: int = 0
 
   def __post_init__(self):
     if self.items_per_tier < 3:
@@ -63,6 +85,10 @@ class SynthConfig:
         raise ValueError(f"SynthConfig.{name}={getattr(self, name)}: must be >= 1.")
     if not 0 <= self.inventory_slack <= 10:
       raise ValueError(f"SynthConfig.inventory_slack={self.inventory_slack}: must be in [0, 10].")
+    b = self.craft_budget_per_agent
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+      raise ValueError(f"SynthConfig.craft_budget_per_agent={b!r}: must be an int >= 0 (0: no "
+                       "limit; e.g. 8 so that medium tasks need helpers).")
 
 
 def _tier_count(items_per_tier: int, tier: int) -> int:
@@ -151,6 +177,12 @@ def merged_plan(book: tc.RecipeBook, targets: Mapping[str, int],
   return plan[::-1]
 
 
+def closure_crafts(book: tc.RecipeBook, targets: Mapping[str, int]) -> int:
+  """Distinct craftable items in the targets' recipe closure: the fewest `craft` calls any
+  single agent needs when it starts from base materials (each call crafts one item)."""
+  return sum(1 for x in _closure(book, targets) if book.can_craft(x))
+
+
 def _closure(book: tc.RecipeBook, targets: Mapping[str, int]) -> set[str]:
   seen, stack = set(), list(targets)
   while stack:
@@ -214,7 +246,8 @@ class TextCraftSynthEnv(tc.TextCraftEnv):
                tasks_by_split: Mapping[str, Sequence[base.Task]] | None = None):
     self.cfg = cfg
     super().__init__(book=generate_world(cfg.seed, cfg.items_per_tier),
-                     tasks_by_split=tasks_by_split)
+                     tasks_by_split=tasks_by_split,
+                     craft_budget_per_agent=cfg.craft_budget_per_agent)
 
   def tasks(self, split: str = "train") -> Sequence[base.Task]:
     """Tasks of a split, generated on first use (a split asks only for what it needs)."""
