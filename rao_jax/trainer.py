@@ -1,12 +1,14 @@
-"""The RAO training loop.
+"""The RAO training loop: `Trainer.rl_step` runs one step, hooks (`rao_jax.hooks`) run between.
 
     for step in range(start, total_steps):
-      tasks  <- train_tasks_for_step(seed, step)                  (data position = step)
-      trees  <- K trees per task through the agent runtime         (rollout engine + sandboxes)
-      batch  <- rewards, leave-one-out advantages, depth weights, packing   (learner, host side)
-      state  <- learner step                                       (jitted, sharded, donated)
-      engine <- new weights (in process, or SGLang over HTTP), version = step
-      metrics, periodic evaluation on held-out tasks (trees as HTML), checkpoint
+      rl_step:
+        tasks  <- train_tasks_for_step(seed, step)                 (data position = step)
+        trees  <- K trees per task through the agent runtime        (rollout engine + sandboxes)
+        batch  <- rewards, leave-one-out advantages, depth weights, packing  (learner, host side)
+        state  <- learner step                                      (jitted, sharded, donated)
+        engine <- new weights (in process, or SGLang over HTTP), version = step
+      hooks, every n steps (`Trainer.hooks`): metrics, the divergence stop, evaluation on
+        held-out tasks (trees as HTML), checkpoint, progress bar
 
 Resume order: the newest complete checkpoint in `workdir/checkpoints` (params, optimizer,
 step, RNG, data position) wins; else `config.ckpt.init_from` (parameters only, e.g. an SFT
@@ -46,18 +48,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
 from rao_jax import experiment as X
+from rao_jax import hooks as hooks_lib
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 from rao_jax.experiment import DEADLINE_RULES, RLConfig
+from rao_jax.learner import Learner, NonFiniteUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +109,6 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
   """
   if deadline_rule not in DEADLINE_RULES:
     raise ValueError(f"deadline_rule={deadline_rule!r}: use one of {DEADLINE_RULES}.")
-  import uuid  # pylint: disable=g-import-not-at-top
   gid = f"{task.task_id}/{uuid.uuid4().hex[:8]}"
   trees = list(await asyncio.gather(*(
       runner.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
@@ -197,7 +206,6 @@ class Trainer:
   """Holds the parts of one run; `run()` is the loop."""
 
   def __init__(self, config, workdir: str):
-    import jax  # pylint: disable=g-import-not-at-top
     self.rl = X.rl_config(config)
     _validate(self.rl, jax.process_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
@@ -211,7 +219,6 @@ class Trainer:
     model, self.tokenizer = X.load_policy(config)
     self.model_cfg = model.cfg
 
-    from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
     self.learner = Learner(X.learner_config(config, self.workdir), self.model_cfg,
                            mesh=X.make_mesh(config.learner.mesh), params=model)
     del model
@@ -232,7 +239,6 @@ class Trainer:
 
   def _init_params_from(self, path: str) -> None:
     """Starts from another run's newest parameters (optimizer and step start fresh)."""
-    from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
     ckpt_dir = path if os.path.basename(path.rstrip("/")) == "checkpoints" else os.path.join(
         path, "checkpoints")
     donor = Learner(self.learner.cfg, self.model_cfg, mesh=self.learner.mesh)
@@ -253,9 +259,6 @@ class Trainer:
     arrays span every process's devices; the engine runs on this process alone)."""
     if self.num_processes == 1:
       return self.learner.model
-    import jax  # pylint: disable=g-import-not-at-top
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     local = jax.tree.map(
         lambda x: jax.numpy.asarray(multihost_utils.process_allgather(x, tiled=True)),
         self.learner.params)
@@ -330,113 +333,169 @@ class Trainer:
     runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls,
                            judge=X.make_judge(c, "train", self.engine, self.tokenizer))
     total = self.rl.total_steps
-    step = self.start_step
-    last_eval: dict[str, float] = {}
-    await self.sync_weights(step)
-    bar = _progress(total, step, enabled=c.log.progress)
-    guard = NonFiniteGuard(self.rl.max_nonfinite_steps)
-    fault_totals = collections.Counter()
-    next_batch = None
+    state = RunState(step=self.start_step, guard=NonFiniteGuard(self.rl.max_nonfinite_steps))
+    await self.sync_weights(state.step)
+    hooks = self.hooks(repls, stopper, state)
     stopped = False
     try:
-      while step < total:
-        t_step = time.perf_counter()
-        if next_batch is None:
-          trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
-        else:
-          trees, rstats, every, faults = await stopper.guard(next_batch)
-          next_batch = None
-          versions = [int(n.weight_version or 0) for t in trees for n in t.nodes]
-          stale = step - min(versions) if versions else 0
-          if stale > self.rl.max_staleness:
-            log.warning("Step %d: batch %d versions stale (> max_staleness=%d); re-collecting.",
-                        step, stale, self.rl.max_staleness)
-            trees, rstats, every, faults = await stopper.guard(self.collect(runner, step))
-        staleness = record_staleness(every, step)
-        if self.main:
-          R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
-        fault_totals.update(faults)
-
-        batch, adv = self.learner.prepare(trees) if trees else (None, None)
-        if self.rl.overlap and step + 1 < total:
-          next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
-        t_learn = time.perf_counter()
-        if batch is not None and batch.stats.get("nodes_packed", 0) > 0:
-          lmetrics = await asyncio.to_thread(guard.step, self.learner, batch, step)
-        else:
-          # Every group had equal rewards (or every group was dropped): no gradient signal.
-          # An Adam step on zeros would still move the weights along its momentum, so the
-          # update is skipped.
-          lmetrics = {"skipped": 1.0}
-        learn_s = time.perf_counter() - t_learn
-        step += 1
-        sync_s = await self.sync_weights(step)
-
-        success = X.success_rate(trees)
-        reward = (float(np.mean(adv.reward_N[[i for i, n in enumerate(adv.node_ids)
-                                              if n == "0"]])) if adv is not None else 0.0)
-        m = {"reward": reward,
-             "success": success,
-             "time/rollout_s": rstats.wall_s, "time/learner_s": learn_s,
-             "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t_step,
-             "rollout/tokens_per_s": rstats.tokens_per_s,
-             "rollout/generated_tokens": rstats.generated_tokens,
-             # Every token of a packed row costs the learner (prompts and observations too).
-             "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
-                                     / max(learn_s, 1e-9),
-             # The learning-rate schedule's position: updates actually applied.
-             "learner/applied_updates": float(self.learner.step_count),
-             f"success_{c.env.train_difficulty}": success}
-        m.update(staleness)
-        m.update({f"faults/{k}": float(v) for k, v in faults.items()})
-        m.update({f"faults/total_{k}": float(v) for k, v in fault_totals.items()})
-        m["faults/nonfinite_steps"] = float(guard.total)
-        m["faults/nonfinite_in_row"] = float(guard.in_row)
-        if adv is not None:
-          m.update({f"rl/{k}": v for k, v in adv.stats.items()})
-        m.update({f"learner/{k}": v for k, v in lmetrics.items()})
-        if trees:
-          m.update(metrics_lib.tree_stats(trees))
-        self.metrics.write(step, m, prefix="train/")
-        if guard.diverged:
-          raise TrainingDivergedError(
-              f"{guard.in_row} non-finite updates in a row (steps {step - guard.in_row} to "
-              f"{step - 1}, config.rl.max_nonfinite_steps={self.rl.max_nonfinite_steps}); each was "
-              "refused, so the parameters are those of the last finite update "
-              f"({self.learner.step_count} applied), saved in {self.learner.cfg.ckpt_dir} at "
-              f"step {step}. Lower --config.optim.lr, check the rollout log-probs and rewards "
-              "of the trees in " + self.trees_dir + ", or raise config.rl.max_nonfinite_steps.")
-
-        every_n = int(c.eval.every)   # <= 0: no evaluation inside the loop
-        if self.main and every_n > 0 and (step % every_n == 0 or step == total):
-          t_eval = time.perf_counter()
-          last_eval = await stopper.guard(self.evaluate(repls, step))
-          last_eval["time/eval_s"] = time.perf_counter() - t_eval
-          self.metrics.write(step, last_eval, prefix="eval/")
-        self.learner.save(step, extra={"data_position": step}, force=step == total)
-        bar.update(1)
-        bar.set_postfix(reward=f"{m['reward']:.3f}", success=f"{m['success']:.2f}",
-                        tok_s=f"{rstats.tokens_per_s:.0f}")
+      while state.step < total:
+        m = await self.rl_step(runner, state, stopper.guard)
+        await hooks_lib.run_hooks(hooks, state.step, total, m)
     except _StopRequested:
       stopped = True
     finally:
-      bar.close()
-      if next_batch is not None:
-        next_batch.cancel()
+      hooks_lib.close_hooks(hooks)
+      if state.next_batch is not None:
+        state.next_batch.cancel()
         with contextlib.suppress(BaseException):
-          await next_batch
+          await state.next_batch
       stopper.uninstall(loop)
       # Nothing the user had is lost: the newest state is saved whatever ended the loop.
-      if step > self.start_step and self.learner.latest_checkpoint_step() != step:
-        self.learner.save(step, extra={"data_position": step})
+      if state.step > self.start_step and self.learner.latest_checkpoint_step() != state.step:
+        self.learner.save(state.step, extra={"data_position": state.step})
       self.learner.wait_for_checkpoints()
       await repls.close()
       await self.engine.close()
       self.metrics.close()
     plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
             if self.main else None)
-    return {"step": step, "stopped": stopped, "eval": last_eval, "plot": plot,
+    return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
             "workdir": self.workdir}
+
+  async def rl_step(self, runner, state: "RunState", guard=None) -> dict[str, float]:
+    """One RL step: collect the trees of step `state.step`, prepare the batch, update the
+    learner, give the engine the new weights; advances `state.step` and returns the step's
+    metrics (what the "train/" rows hold).
+
+    With overlap the trees may come from the collection the previous step started (re-collected
+    when staler than `max_staleness`), and this step starts the next one before its update.
+    `guard(coro)` wraps each wait for rollouts (the stop signal's cancellation).
+    """
+    guard = guard or (lambda coro: coro)
+    step, t_step = state.step, time.perf_counter()
+    trees, rstats, every, faults = await guard(self._batch_for(runner, state))
+    staleness = record_staleness(every, step)
+    if self.main:
+      R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
+    state.fault_totals.update(faults)
+
+    batch, adv = self.learner.prepare(trees) if trees else (None, None)
+    if self.rl.overlap and step + 1 < self.rl.total_steps:
+      state.next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
+    t_learn = time.perf_counter()
+    if batch is not None and batch.stats.get("nodes_packed", 0) > 0:
+      lmetrics = await asyncio.to_thread(state.guard.step, self.learner, batch, step)
+    else:
+      # Every group had equal rewards (or every group was dropped): no gradient signal. An
+      # Adam step on zeros would still move the weights along its momentum, so it is skipped.
+      lmetrics = {"skipped": 1.0}
+    learn_s = time.perf_counter() - t_learn
+    state.step = step + 1
+    sync_s = await self.sync_weights(state.step)
+
+    success = X.success_rate(trees)
+    reward = (float(np.mean(adv.reward_N[[i for i, n in enumerate(adv.node_ids) if n == "0"]]))
+              if adv is not None else 0.0)
+    m = {"reward": reward,
+         "success": success,
+         "time/rollout_s": rstats.wall_s, "time/learner_s": learn_s,
+         "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t_step,
+         "rollout/tokens_per_s": rstats.tokens_per_s,
+         "rollout/generated_tokens": rstats.generated_tokens,
+         # Every token of a packed row costs the learner (prompts and observations too).
+         "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
+                                 / max(learn_s, 1e-9),
+         # The learning-rate schedule's position: updates actually applied.
+         "learner/applied_updates": float(self.learner.step_count),
+         f"success_{self.config.env.train_difficulty}": success}
+    m.update(staleness)
+    m.update({f"faults/{k}": float(v) for k, v in faults.items()})
+    m.update({f"faults/total_{k}": float(v) for k, v in state.fault_totals.items()})
+    m["faults/nonfinite_steps"] = float(state.guard.total)
+    m["faults/nonfinite_in_row"] = float(state.guard.in_row)
+    if adv is not None:
+      m.update({f"rl/{k}": v for k, v in adv.stats.items()})
+    m.update({f"learner/{k}": v for k, v in lmetrics.items()})
+    if trees:
+      m.update(metrics_lib.tree_stats(trees))
+    return m
+
+  async def _batch_for(self, runner, state: "RunState"):
+    """The trees of step `state.step`: collected now, or the overlapped collection of the
+    previous step unless it is staler than `max_staleness`."""
+    step = state.step
+    if state.next_batch is None:
+      return await self.collect(runner, step)
+    pending, state.next_batch = state.next_batch, None
+    trees, rstats, every, faults = await pending
+    versions = [int(n.weight_version or 0) for t in trees for n in t.nodes]
+    stale = step - min(versions) if versions else 0
+    if stale <= self.rl.max_staleness:
+      return trees, rstats, every, faults
+    log.warning("Step %d: batch %d versions stale (> max_staleness=%d); re-collecting.",
+                step, stale, self.rl.max_staleness)
+    return await self.collect(runner, step)
+
+  def hooks(self, repls, stopper: "_Stopper", state: "RunState") -> list[hooks_lib.Hook]:
+    """What runs between steps, in order: metrics, the divergence stop, evaluation (process 0),
+    the checkpoint, the progress bar."""
+    c, total = self.config, self.rl.total_steps
+
+    def write_metrics(step, m):
+      self.metrics.write(step, m, prefix="train/")
+
+    def stop_if_diverged(step, m):
+      del m
+      guard = state.guard
+      if guard.diverged:
+        raise TrainingDivergedError(
+            f"{guard.in_row} non-finite updates in a row (steps {step - guard.in_row} to "
+            f"{step - 1}, config.rl.max_nonfinite_steps={self.rl.max_nonfinite_steps}); each was "
+            "refused, so the parameters are those of the last finite update "
+            f"({self.learner.step_count} applied), saved in {self.learner.cfg.ckpt_dir} at "
+            f"step {step}. Lower --config.optim.lr, check the rollout log-probs and rewards "
+            "of the trees in " + self.trees_dir + ", or raise config.rl.max_nonfinite_steps.")
+
+    async def evaluate(step, m):
+      del m
+      t_eval = time.perf_counter()
+      state.last_eval = await stopper.guard(self.evaluate(repls, step))
+      state.last_eval["time/eval_s"] = time.perf_counter() - t_eval
+      self.metrics.write(step, state.last_eval, prefix="eval/")
+
+    def checkpoint(step, m):
+      del m
+      self.learner.save(step, extra={"data_position": step})
+
+    def postfix(m):
+      return {"reward": f"{m['reward']:.3f}", "success": f"{m['success']:.2f}",
+              "tok_s": f"{m['rollout/tokens_per_s']:.0f}"}
+
+    hooks = [hooks_lib.Hook("metrics", 1, write_metrics),
+             hooks_lib.Hook("divergence", 1, stop_if_diverged)]
+    if self.main:   # <= 0: no evaluation inside the loop
+      hooks.append(hooks_lib.Hook("evaluation", int(c.eval.every), evaluate))
+    hooks.append(hooks_lib.Hook("checkpoint", self.learner.cfg.ckpt_every, checkpoint))
+    hooks.append(hooks_lib.progress_hook(total, state.step, c.log.progress, postfix))
+    return hooks
+
+
+@dataclasses.dataclass
+class RunState:
+  """What the loop carries from one step to the next.
+
+  Attributes:
+    step: the next step to run (= steps done, the data position).
+    guard: the non-finite update counter.
+    fault_totals: fault counters summed over the run.
+    next_batch: with overlap, the collection of `step`'s trees started during the last update.
+    last_eval: the newest evaluation's metrics.
+  """
+  step: int
+  guard: "NonFiniteGuard"
+  fault_totals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  next_batch: asyncio.Future | None = None
+  last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class _NoMetrics:
@@ -457,7 +516,6 @@ def process_share(tasks, process: int, num_processes: int):
 
 def _allgather_bytes(data: bytes) -> list[bytes]:
   """Every process's `data`, in process order (a host all-gather over jax.distributed)."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   lens = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
   buf = np.zeros(max(int(lens.max()), 1), np.uint8)
   buf[:len(data)] = np.frombuffer(data, np.uint8)
@@ -468,7 +526,6 @@ def _allgather_bytes(data: bytes) -> list[bytes]:
 def exchange(trees, every, faults, tokens, wall):
   """The union of all processes' trees (process order), summed fault counters and tokens, the
   slowest process's rollout wall time."""
-  import json  # pylint: disable=g-import-not-at-top
   mine = json.dumps({"every": [t.to_dict() for t in every], "kept": [t.tree_id for t in trees],
                      "faults": faults, "tokens": tokens, "wall": wall}).encode()
   all_trees, all_every, all_faults, all_tokens, all_wall = [], [], collections.Counter(), 0, 0.0
@@ -502,7 +559,6 @@ class NonFiniteGuard:
     return self.in_row >= self.max_in_row
 
   def step(self, learner, batch, step: int) -> dict[str, float]:
-    from rao_jax.learner import NonFiniteUpdateError  # pylint: disable=g-import-not-at-top
     try:
       out = learner.step(batch)
     except NonFiniteUpdateError as e:
@@ -531,12 +587,6 @@ def record_staleness(trees, step: int) -> dict[str, float]:
     return {}
   return {"rollout/staleness_mean": float(np.mean(vals)),
           "rollout/staleness_max": float(np.max(vals))}
-
-
-def _progress(total: int, initial: int, enabled: bool):
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  return tqdm(total=total, initial=initial, desc="RAO", unit="step", disable=not enabled,
-              dynamic_ncols=True)
 
 
 def train(config, workdir: str) -> dict[str, Any]:
