@@ -12,7 +12,7 @@
 #      float32 masters (benchmarks/bench_learner.py --mfu; goal >= 40%);
 #   2. decode tokens/s of the engine's cached forward at batch 64 against the HBM roofline
 #      (bf16 weights + the KV cache read once per step; goal >= 50%);
-#   3. the training attention's kernel (rao_jax.model.kernels: Pallas/Triton on CUDA) against
+#   3. the training attention's kernel (rao_jax.kernels.attention: Pallas/Triton on CUDA) against
 #      XLA's blocked attention, forward + backward, at 4,096 and 8,192 tokens.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from rao_jax.learner.testing import init_params
-from rao_jax.model import kernels
+from rao_jax.kernels import attention as kernels
 from rao_jax.model.config import ModelConfig
 from rao_jax.model.transformer import Transformer
 
