@@ -16,8 +16,8 @@ benchmark deterministic.
     work as single agents.
 With a craft budget per agent (the environment's tool docs state it, `craft_budget` in the REPL),
 the "program" style of a recursive node adapts its decomposition to the budget
-(`budget_program_turn`): it crafts what fits and gives each sub-target that does not to a
-helper, recursively, so every agent stays within its budget.
+(`budget_program_turn`): it crafts its targets and the ingredients that fit, and gives each
+ingredient that does not to a helper, recursively, so every agent stays within its budget.
 It relies on a ChatML-style transcript only through markers it prints itself ("INFO ...").
 Those lines are compact, `INFO <item> (crafting_depth, in_inventory, recipes)`: `can_craft` and
 `is_base` follow from the depth and the recipes, and the model that imitates these
@@ -264,45 +264,50 @@ def make(item, n):
   print(craft({x: c * k for x, c in r['ingredients'].items()}, (item, k * r['result_count'])))"""
 
 
-_SIZE = """\
-def size(item):
+_BUDGET_SOLVER = """\
+def make(item, n, dry=False):
   i = get_info([item])[0]
-  return 0 if i['is_base'] else 1 + sum(size(x) for x in i['recipes'][0]['ingredients'])
-async def split(goal, left, steps):
-  big = {}
-  for x, n in sorted(goal.items(), key=lambda e: size(e[0])):
-    if size(x) <= left:
-      left -= size(x)
-      make(x, n)
-    elif size(x):
-      big[x] = n
-  total = sum(size(x) for x in big) or 1
-  print(await asyncio.gather(*[launch_subagent({x: n}, max(1, steps * size(x) // total)) for x, n in big.items()]))"""
+  if i['is_base']:
+    return 0
+  r = i['recipes'][0]
+  k = -(-n // r['result_count'])
+  m = sum(make(x, c * k, dry) for x, c in r['ingredients'].items())
+  if not dry:
+    print(craft({x: c * k for x, c in r['ingredients'].items()}, (item, k * r['result_count'])))
+  return m + 1"""
 
 _BUDGET_MAIN = """\
-if len(goal) == 1 and size(list(goal)[0]) > craft_budget:
-  (item, n), = goal.items()
+left, tops, big = craft_budget - len(goal), [], []
+for item, n in goal.items():
   r = get_info([item])[0]['recipes'][0]
   k = -(-n // r['result_count'])
-  goal = {x: c * k for x, c in r['ingredients'].items()}
-  await split(goal, craft_budget - 1, steps)
-  print(craft(goal, (item, k * r['result_count'])))
-else:
-  await split(goal, craft_budget, steps)
+  ings = {x: c * k for x, c in r['ingredients'].items()}
+  tops.append((ings, (item, k * r['result_count'])))
+  for x, c in ings.items():
+    s = make(x, c, True)
+    if s <= left:
+      left -= s
+      make(x, c)
+    elif s:
+      big.append((x, c, s))
+total = sum(s for x, c, s in big) or 1
+print(await asyncio.gather(*[launch_subagent({x: c}, max(1, STEPS * s // total)) for x, c, s in big]))
+for t in tops:
+  print(craft(*t))
 finish('done')"""
 
 
 def budget_program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   """A recursive "program" turn under a craft budget: one generic cell, adapted to the budget.
 
-  `size(x)` counts the crafts of x's recipe tree (every occurrence crafted on its own, as
-  `make` does). A goal that fits `craft_budget` is crafted here. A single target that does not
-  fit is crafted here from its ingredients: those that fit the rest of the budget (smallest
-  first) are crafted here too, and each of the others goes to a helper. With several targets,
-  the same rule applies to the targets themselves. Helpers share this node's step budget in
-  proportion to their sizes. A helper runs the same cell, so the decomposition recurses until
-  each agent's part fits its own budget. Only the goal and the step budget (copied from the
-  prompt) change between demonstrations, so a small model has one program to learn.
+  The node crafts its targets itself (one craft each). Their ingredients are handled in order:
+  an ingredient whose recipe tree fits what is left of `craft_budget` is crafted here (`make`,
+  one craft per occurrence, which `make(..., dry=True)` counts without crafting). Each other
+  ingredient goes to a helper, and the helpers share this node's step budget in proportion to
+  their sizes. A helper runs the same cell, so the decomposition recurses until each agent's
+  part fits its own budget. A goal that fits the budget needs no helper. Only the goal and the
+  step budget (copied from the prompt) change between demonstrations, so a small model has one
+  program to learn (~370 SmolLM2 tokens).
   """
   if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
     return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
@@ -310,8 +315,9 @@ def budget_program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   # This turn is already counted when the cell runs, and launch_subagent keeps one step back.
   steps = max(1, int(m.group(1)) - 2) if m else 1
   goal = "{" + ", ".join(f"{item!r}: {n}" for item, n in targets.items()) + "}"
-  return ("Craft what fits my craft budget; helpers craft the rest.\n```python\n" + _SOLVER
-          + "\n" + _SIZE + f"\ngoal = {goal}\nsteps = {steps}\n" + _BUDGET_MAIN + "\n```")
+  return ("Craft my targets and what fits my craft budget; helpers craft the rest.\n```python\n"
+          + _BUDGET_SOLVER + f"\ngoal = {goal}\n"
+          + _BUDGET_MAIN.replace("STEPS", str(steps)) + "\n```")
 
 
 def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:

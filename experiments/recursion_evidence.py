@@ -1,0 +1,410 @@
+r"""Evidence that RAO keeps recursion where it pays: TextCraft-Synth with a craft budget per agent.
+
+The task family: TextCraft-Synth where each agent may call `craft` at most `budget` times
+(`SynthConfig.craft_budget_per_agent`, enforced per node by the environment; see
+rao_jax/envs/textcraft_synth.py for why a craft budget, and not a turn or token budget, closes
+the single-agent route). Stages, each written under `--workdir` with a `stage.json` marker when
+complete (a rerun skips complete stages and resumes the unfinished one):
+
+  0. `caps`  scripted policies only, no model: on held-out test tasks at the budget, the
+             recursive program-style policy (it adapts its decomposition to the budget), the
+             single-agent program it would imitate, the best single agent (the merged plan: the
+             fewest crafts any agent needs, with turns unlimited), and the single program without a
+             budget (the route the budget closes). Also the share of tasks whose recipe closure
+             fits one budget, an upper bound on any single agent's success.
+             Result: `--caps_out` (benchmarks/results/recursion_caps.json).
+  Per mode (recursive, single at the same budget and window):
+  1. `demos`        scripted program-style trees on train tasks at the budget (successful ones);
+  2. `sft`          supervised warm start on them;
+  3. `eval_before`  greedy held-out evaluation of the warm start (test split, never trained on);
+  4. `rl`           RAO from the warm start on train tasks;
+  5. `eval_after`   greedy held-out evaluation after RL.
+  Then `--out` (benchmarks/results/recursion_evidence.json): `modes.recursive.{before, after,
+  paired{delta, ci95, n}, delegating_share{before, after}}`, `modes.single.{before, after}`,
+  `vs_single{delta, ci95, n}` (recursive after minus single after, paired per task), `minutes`,
+  a plot beside it and an HTML page of held-out trees before and after.
+
+  python -m experiments.recursion_evidence --stages=caps --scale=cpu --workdir=runs/recursion
+  python -m experiments.recursion_evidence --scale=cpu --workdir=runs/recursion   # ~175 min, 2 CPUs
+  python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
+  # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
+  # command on one H200-class GPU: ~4 h for SmolLM2-135M (see the estimate at _SCALES):
+  python -m experiments.recursion_evidence --scale=gpu --workdir=runs/recursion_gpu
+"""
+import asyncio
+import collections
+import json
+import math
+import os
+import time
+
+from absl import app
+from absl import flags
+
+from experiments import learning_evidence as le
+
+# --workdir, --scale, --out and --modes are learning_evidence's flags (imported with its helpers);
+# where a command line does not set them, this experiment's own defaults apply.
+_DEFAULTS = {"workdir": "runs/recursion", "out": "benchmarks/results/recursion_evidence.json",
+             "modes": ["recursive", "single"]}
+_CAPS_OUT = flags.DEFINE_string("caps_out", "benchmarks/results/recursion_caps.json",
+                                "Result JSON of the `caps` stage.")
+_STAGES = flags.DEFINE_enum("stages", "all", ["caps", "all"],
+                            "`caps`: the scripted stage only (no model); `all`: every stage.")
+_REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
+                          "REPLs of the `caps` stage: in-process (the scripted code is ours) "
+                          "or the config's sandbox (bwrap), as model-written code runs.")
+
+
+def _flag(name: str):
+  f = flags.FLAGS[name]
+  return f.value if f.present or name not in _DEFAULTS else _DEFAULTS[name]
+
+# Budget 8 on medium tasks (depth 4-6): the recipe closure of 95 of the 100 held-out medium
+# tasks needs more than 8 crafts, so no single agent can solve them (the `caps` stage measures
+# it), while the budget-adapted recursive policy solves all of them with 5.5 agents a tree on
+# average (at most 17, at most 3 levels below the root; max_depth 4 leaves one spare).
+#
+# CPU estimate (SmolLM2-135M, 2 shared cores), scaled from the learning_evidence CPU run on easy
+# tasks (window 1,536: SFT 8 steps x 2 trees took 6 min; a held-out evaluation of 64 single-node
+# trees took 2 min, about 80 generated tokens/s; its RL trained ~80 tokens/s). A budget-program
+# node is ~900 tokens: prompt ~420, cell ~395 generated, observation ~80 (`caps` records them),
+# so a recursive tree is ~5.5 x 900 tokens, of which ~2,200 are generated. In minutes:
+#   caps 2 (scripted);
+#   recursive: demos 1, SFT 8 x 2 trees 15 (with compilation), eval_before 64 trees x 2,200
+#     generated tokens at ~80/s = 30, RL 4 steps x (2 tasks x 4 trees) = 4 x (rollout ~4 +
+#     learner ~8: 44 nodes x 900 tokens / 80 per s when every group has signal) = 48,
+#     eval_after 30: ~125;
+#   single (one ~500-token node a tree, ~146 generated): demos 1, SFT 5, evaluations 3 + 3,
+#     RL 4 x 2 = 8: ~20;
+#   in all ~150 minutes, inside the 3 hours (a model that writes longer cells, or retries,
+#   costs more per evaluation: at most max_new_tokens x max_steps_per_agent a node).
+#
+# GPU (one H200-class device): the paper's hard row, trained on medium and evaluated on hard
+# with an 8K window. Hard trees have ~40 agents at budget 8 (at most ~85, 6 levels below the
+# root), so max_depth 8 and 128 live agents. About 4 hours: SFT 150 steps ~25 min, two
+# evaluations of 200 hard trees (~8,000 agents each) ~30 min each, RL 40 steps of 8 x 8
+# medium trees ~2.5 h.
+_SCALES = {
+    "tiny": dict(caps_tasks=8, eval_tasks=4, sft_steps=2, demos=2, sft_trees=1, rl_steps=2,
+                 tasks_per_step=1, group=2, ctx=2048, eval_diff="medium", train="medium",
+                 lr=2e-5, slots=8, budget=8, max_depth=4, max_live_agents=64,
+                 max_new_tokens=512),
+    "cpu": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2, rl_steps=4,
+                tasks_per_step=2, group=4, ctx=2048, eval_diff="medium", train="medium",
+                lr=2e-5, slots=32, budget=8, max_depth=4, max_live_agents=64,
+                max_new_tokens=512),
+    "gpu": dict(caps_tasks=200, eval_tasks=200, sft_steps=150, demos=256, sft_trees=8,
+                rl_steps=40, tasks_per_step=8, group=8, ctx=8192, eval_diff="hard",
+                train="medium", lr=2e-6, slots=64, budget=8, max_depth=8,
+                max_live_agents=128, max_new_tokens=1024),
+}
+
+
+def config_for(mode: str, s: dict):
+  """The run config of `mode` at scale `s`: learning_evidence's, at the craft budget."""
+  le_s = dict(s, eval_diffs=(s["eval_diff"],))
+  c = le.config_for(mode, le_s)
+  c.env.kwargs.craft_budget_per_agent = s["budget"]
+  c.env.kwargs.tasks_per_difficulty = max(100, s["caps_tasks"], s["eval_tasks"])
+  c.agent.max_depth = s["max_depth"]
+  c.agent.max_live_agents = s["max_live_agents"]
+  c.agent.max_new_tokens = s["max_new_tokens"]   # the budget program's cell is ~395 tokens
+  return c
+
+
+def tokenizer_for(name: str):
+  """The policy's tokenizer alone (no weights): scripted trees are tokenized as the model's."""
+  from rao_jax.model.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from rao_jax.model.weights import resolve_model_path  # pylint: disable=g-import-not-at-top
+  path = resolve_model_path(name)
+  return Tokenizer.from_hf_folder(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
+
+
+def wilson95(k: int, n: int) -> list[float]:
+  """Wilson 95% interval of k successes in n (the normal one collapses at 0 and 1)."""
+  if n == 0:
+    return [0.0, 0.0]
+  z, p = 1.96, k / n
+  mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return [max(0.0, mid - half), min(1.0, mid + half)]
+
+
+def rate(values) -> dict:
+  """Success of a list of 0/1 values: mean, normal and Wilson 95% intervals, counts."""
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  values = [float(v) for v in values]
+  k = int(round(sum(values)))
+  lo, hi = X.binomial_ci95(values)
+  return {"success": sum(values) / max(len(values), 1), "ci95": [lo, hi],
+          "wilson95": wilson95(k, len(values)), "successes": k, "n": len(values)}
+
+
+def tree_stats(trees, budget: int) -> dict:
+  """Success and how the trees spent the budget: tool calls per agent, nodes, depth, tokens."""
+  crafts, infos, refused, tokens, gen = [], [], 0, [], []
+  ends = collections.Counter()
+  for t in trees:
+    calls = t.meta.get("episode", {}).get("tool_calls", {})
+    for n in t.nodes:
+      c = calls.get(n.node_id, {})
+      crafts.append(c.get("craft", 0))
+      infos.append(c.get("get_info", 0))
+      refused += c.get("craft_refused", 0)
+      tokens.append(len(n.token_ids))
+      gen.append(n.num_generated_tokens)
+      ends[n.end_reason] += 1
+  mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+  return {
+      **rate([t.root.success or 0.0 for t in trees]),
+      "per_task": {t.task_id: t.root.success or 0.0 for t in trees},
+      "delegating_share": mean([float(len(t.nodes) > 1) for t in trees]),
+      "agents_per_tree": {"mean": mean([len(t.nodes) for t in trees]),
+                          "max": max((len(t.nodes) for t in trees), default=0)},
+      "depth_max": max((n.depth for t in trees for n in t.nodes), default=0),
+      "craft_calls_per_agent": {"mean": mean(crafts), "max": max(crafts, default=0),
+                                "agents_over_budget": sum(c > budget for c in crafts)},
+      "craft_calls_refused": refused,
+      "get_info_calls_per_agent": {"mean": mean(infos), "max": max(infos, default=0)},
+      "tokens_per_agent": {"mean": mean(tokens), "max": max(tokens, default=0)},
+      "generated_tokens_per_agent": {"mean": mean(gen), "max": max(gen, default=0)},
+      "end_reasons": dict(ends),
+      "node_success": mean([n.success or 0.0 for t in trees for n in t.nodes]),
+  }
+
+
+# Scripted policies of the `caps` stage: (mode, style, budget on, runner overrides).
+CAPS_POLICIES = {
+    # What the recursive model imitates: one generic cell, adapted to the budget.
+    "recursive_program": ("recursive", "program", True, {}),
+    # What the single-agent model imitates: the same cell without helpers (`make` everything).
+    "single_program": ("single", "program", True, {}),
+    # The best single agent: the merged plan crafts each intermediate once (the fewest crafts
+    # possible), and its lookups get all the turns and the window they need, so only the
+    # budget can stop it.
+    "single_plan_best": ("single", "plan", True,
+                         {"max_steps_per_agent": 16, "context_window": 16384,
+                          "max_new_tokens": 4096}),
+    # The route the budget closes: the single program without it.
+    "single_program_no_budget": ("single", "program", False, {}),
+}
+
+
+async def _caps_trees(config, policy: str, tasks, tokenizer, repl_kind: str):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import local_exec, policies, runner as runner_lib  # pylint: disable=g-import-not-at-top
+  mode, style, with_budget, overrides = CAPS_POLICIES[policy]
+  c = config.copy_and_resolve_references()
+  c.agent.mode = mode
+  if not with_budget:
+    c.env.kwargs.craft_budget_per_agent = 0
+  env = X.make_env(c)
+  engine = policies.ScriptedTextCraftEngine(tokenizer, policies.ScriptedConfig(style=style))
+  rcfg = dataclasses.replace(X.runner_config(c, greedy=True), **overrides)
+  repls = local_exec.LocalReplPool() if repl_kind == "local" else X.sandbox_pool(c)
+  if hasattr(repls, "start"):
+    await repls.start()
+  try:
+    runner = runner_lib.TreeRunner(env, engine, tokenizer, repls, rcfg)
+    return await runner.run_tasks(tasks)
+  finally:
+    if hasattr(repls, "close"):
+      await repls.close()
+
+
+def run_caps(s: dict, d: str, repl_kind: str = "local", tokenizer=None) -> dict:
+  """Stage 0: the scripted policies at the budget on held-out tasks (see the module doc).
+
+  tokenizer: None = the policy's own (config.model.name), so the windows are the model's.
+  """
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
+  from rao_jax.envs import textcraft_synth as ts  # pylint: disable=g-import-not-at-top
+  config = config_for("recursive", s)
+  env = X.make_env(config)
+  tasks = X.eval_tasks(env, s["eval_diff"], s["caps_tasks"])
+  tokenizer = tokenizer or tokenizer_for(config.model.name)
+  budget = s["budget"]
+  closures = [ts.closure_crafts(env.book, t.fields["target_items"]) for t in tasks]
+  fits = [float(c <= budget) for c in closures]
+  out = {
+      "difficulty": s["eval_diff"], "split": "test", "tasks": len(tasks),
+      "craft_budget_per_agent": budget,
+      "runner": {k: config.agent[k] for k in ("context_window", "max_new_tokens",
+                                              "max_steps_per_agent", "max_depth",
+                                              "max_live_agents", "tree_step_budget")},
+      "repl": repl_kind if repl_kind == "local" else f"sandbox ({config.sandbox.isolation})",
+      # No single agent can solve a task whose closure needs more crafts than the budget.
+      "single_agent_upper_bound": {**rate(fits), "closure_crafts": {
+          "min": min(closures), "median": sorted(closures)[len(closures) // 2],
+          "max": max(closures)}},
+      "policies": {},
+  }
+  for name in CAPS_POLICIES:
+    t0 = time.time()
+    trees = asyncio.run(_caps_trees(config, name, tasks, tokenizer, repl_kind))
+    R.save_trees_jsonl(os.path.join(d, f"{name}.trees.jsonl"), trees)
+    out["policies"][name] = {**tree_stats(trees, budget), "wall_s": time.time() - t0}
+    p = out["policies"][name]
+    print(f"[caps] {name}: {p['successes']}/{p['n']} (agents/tree {p['agents_per_tree']['mean']:.1f}"
+          f", crafts/agent max {p['craft_calls_per_agent']['max']})", flush=True)
+  rec, single = out["policies"]["recursive_program"], out["policies"]["single_program"]
+  best = out["policies"]["single_plan_best"]
+  # A single agent that solved a task whose closure exceeds the budget would mean the budget
+  # is not enforced: the bound says it cannot happen.
+  beyond = [t.task_id for t, c in zip(tasks, closures) if c > budget
+            and (single["per_task"][t.task_id] or best["per_task"][t.task_id])]
+  out["single_successes_beyond_the_bound"] = beyond
+  out["verdict"] = {
+      "recursive_at_least_0.9": rec["success"] >= 0.9,
+      "single_at_most_0.2": max(single["success"], best["success"]) <= 0.2,
+      "upper_bound_at_most_0.2": out["single_agent_upper_bound"]["success"] <= 0.2,
+      "no_single_success_beyond_the_bound": not beyond,
+  }
+  return out
+
+
+# -- the SmolLM2 stages ------------------------------------------------------------------------
+
+
+async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
+  """Successful scripted program-style trees on train tasks at the budget, `s["demos"]` of them.
+
+  The single agent solves only the train tasks whose closure fits the budget (few of the
+  medium ones), so its demonstrations continue with train tasks of the easy split at the same
+  budget: the same program, on tasks where it finishes.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import local_exec, policies  # pylint: disable=g-import-not-at-top
+  env = X.make_env(config)
+  engine = policies.ScriptedTextCraftEngine(tokenizer, policies.ScriptedConfig(style="program"))
+  runner = X.make_runner(config, env, engine, tokenizer, local_exec.LocalReplPool(), greedy=True)
+  kept = []
+  for diff in dict.fromkeys((s["train"], "easy")):
+    tasks = X.task_split(env, "train", diff)
+    order = np.random.default_rng([int(config.seed), 7]).permutation(len(tasks))
+    trees = await runner.run_tasks([tasks[i] for i in order])
+    kept += [t for t in trees if (t.root.success or 0.0) >= 1.0][:s["demos"] - len(kept)]
+    if len(kept) >= s["demos"]:
+      break
+  return kept
+
+
+def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
+  """demos, sft, eval_before, rl, eval_after of one mode; (result, stage minutes)."""
+  from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
+  stages = le._Stages(os.path.join(root, mode))  # pylint: disable=protected-access
+  sft_dir = os.path.join(root, mode, "sft")
+  rl_dir = os.path.join(root, mode, "rl")
+  demos_file = os.path.join(root, mode, "demos", "demonstrations.jsonl")
+
+  def do_demos(d):
+    c = config_for(mode, s)
+    trees = asyncio.run(_collect_demos(c, s, mode, tokenizer_for(c.model.name)))
+    if not trees:
+      raise RuntimeError(f"No successful {mode} demonstration at budget {s['budget']}.")
+    R.save_trees_jsonl(os.path.join(d, "demonstrations.jsonl"), trees)
+    return {"trees": len(trees), "nodes": sum(len(t.nodes) for t in trees),
+            "difficulties": dict(collections.Counter(t.meta.get("difficulty") for t in trees))}
+
+  def do_sft(d):
+    r = sft.run_sft(config_for(mode, s), d, demos_path=demos_file)
+    return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
+
+  def do_eval(src):
+    def fn(d):
+      r = evaluation.evaluate_checkpoint(src, num_tasks=s["eval_tasks"], modes=(mode,),
+                                         difficulties=(s["eval_diff"],), out_dir=d)
+      return r["modes"][mode]
+    return fn
+
+  def do_rl(d):
+    c = config_for(mode, s)
+    c.ckpt.init_from = sft_dir
+    r = trainer.train(c, d)
+    if r["stopped"]:
+      raise SystemExit("RL stopped by a signal; run the same command again to resume.")
+    return {"step": r["step"]}
+
+  stages.run("demos", do_demos)
+  stages.run("sft", do_sft)
+  before = stages.run("eval_before", do_eval(sft_dir))[s["eval_diff"]]
+  stages.run("rl", do_rl)
+  after = stages.run("eval_after", do_eval(rl_dir))[s["eval_diff"]]
+  return {"before": before, "after": after}, stages.minutes
+
+
+def summarize(raw: dict, root: str) -> dict:
+  """The result's `modes` and `vs_single` from each mode's held-out evaluations.
+
+  raw: {mode: {"before": eval result, "after": eval result}} where an eval result has
+    `success`, `ci95` and `per_task` ({task_id: success}).
+  """
+  modes = {}
+  for mode, r in raw.items():
+    b, a = r["before"], r["after"]
+    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a["success"],
+         "after_ci95": a["ci95"]}
+    if mode == "recursive":
+      m["paired"] = le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
+      shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
+                for st in ("eval_before", "eval_after")}
+      m["delegating_share"] = {
+          "before": (shapes["eval_before"] or {}).get("delegating_share"),
+          "after": (shapes["eval_after"] or {}).get("delegating_share")}
+      m["held_out_trees"] = shapes
+    modes[mode] = m
+  out = {"modes": modes}
+  if "recursive" in raw and "single" in raw:
+    rec, sing = raw["recursive"]["after"]["per_task"], raw["single"]["after"]["per_task"]
+    common = sorted(set(rec) & set(sing))
+    # Same held-out tasks, two policies: recursive minus single, paired per task.
+    out["vs_single"] = le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
+                                  {t: rec[t] for t in common})
+  return out
+
+
+def main(argv):
+  del argv
+  scale = _flag("scale")
+  s = _SCALES[scale]
+  root = os.path.abspath(_flag("workdir"))
+  stages = le._Stages(root)  # pylint: disable=protected-access
+  t0 = time.time()
+  caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
+  caps_out = os.path.abspath(_CAPS_OUT.value)
+  os.makedirs(os.path.dirname(caps_out), exist_ok=True)
+  with open(caps_out, "w") as f:
+    json.dump({"scale": scale, "minutes": stages.minutes["caps"], **caps}, f, indent=2)
+  print(json.dumps({k: caps[k] for k in ("single_agent_upper_bound", "verdict")}), flush=True)
+  if _STAGES.value == "caps":
+    return
+  raw, minutes = {}, {"caps": stages.minutes["caps"]}
+  for mode in _flag("modes"):
+    raw[mode], minutes[mode] = run_mode(mode, s, root)
+  result = {"scale": scale, "settings": s, "caps": caps["verdict"], **summarize(raw, root),
+            "stage_minutes": minutes,
+            "minutes": minutes["caps"] + sum(sum(m.values()) for k, m in minutes.items()
+                                             if k != "caps"),
+            "minutes_this_invocation": (time.time() - t0) / 60,
+            "training": {m: le.training_summary(os.path.join(root, m, "rl")) for m in raw}}
+  out = os.path.abspath(_flag("out"))
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(result, f, indent=2)
+  stem = os.path.splitext(out)[0]
+  le.plot({"modes": {m: {s["eval_diff"]: {
+      "before": r["before"], "after": r["after"], "before_ci95": r["before_ci95"],
+      "after_ci95": r["after_ci95"], "paired": r.get("paired")}}
+      for m, r in result["modes"].items()}, "training": result["training"]}, root,
+      stem + ".png")
+  le.trees_page(root, list(raw), stem + "_trees.html")
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,82 @@
+"""The recursion-evidence script: configs at the craft budget, the scripted `caps` stage, its
+statistics, and the result's shape (the SmolLM2 stages themselves are long and not run here)."""
+import os
+
+import pytest
+
+from experiments import recursion_evidence as rev
+from rao_jax import experiment as X
+from rao_jax.agent import chat, records as R
+
+
+@pytest.mark.parametrize("scale", sorted(rev._SCALES))
+@pytest.mark.parametrize("mode", ["recursive", "single"])
+def test_configs_carry_the_budget_for_every_scale(scale, mode):
+  s = rev._SCALES[scale]
+  c = rev.config_for(mode, s)
+  assert c.agent.mode == mode and c.env.kwargs.craft_budget_per_agent == s["budget"] > 0
+  assert c.env.eval_difficulties == (s["eval_diff"],) and c.env.train_difficulty == s["train"]
+  assert c.agent.max_depth == s["max_depth"] and c.agent.context_window == s["ctx"]
+  assert c.env.kwargs.tasks_per_difficulty >= max(s["eval_tasks"], s["caps_tasks"])
+  assert c.total_steps == s["rl_steps"] and c.rl.group_size == s["group"] >= 2
+
+
+def test_wilson_interval():
+  assert rev.wilson95(0, 100) == pytest.approx([0.0, 0.0370], abs=1e-4)
+  assert rev.wilson95(100, 100) == pytest.approx([0.9630, 1.0], abs=1e-4)
+  lo, hi = rev.wilson95(5, 100)
+  assert lo < 0.05 < hi and hi == pytest.approx(0.1118, abs=1e-4)
+  r = rev.rate([1, 0, 0, 0])
+  assert r["success"] == 0.25 and r["successes"] == 1 and r["n"] == 4
+  assert r["ci95"] == pytest.approx(list(X.binomial_ci95([1, 0, 0, 0])))
+
+
+def test_caps_stage_separates_recursive_from_single(tmp_path):
+  # Byte tokens: the window is widened so that only the craft budget can stop an agent.
+  s = dict(rev._SCALES["tiny"], caps_tasks=4, ctx=16384, max_new_tokens=4096)
+  out = rev.run_caps(s, str(tmp_path), tokenizer=chat.ByteChatTokenizer())
+  p = out["policies"]
+  assert out["tasks"] == 4 and out["craft_budget_per_agent"] == s["budget"]
+  assert p["recursive_program"]["success"] == 1.0
+  assert p["recursive_program"]["craft_calls_per_agent"]["max"] <= s["budget"]
+  assert p["recursive_program"]["craft_calls_per_agent"]["agents_over_budget"] == 0
+  assert p["recursive_program"]["agents_per_tree"]["mean"] > 1
+  bound = out["single_agent_upper_bound"]["success"]
+  for name in ("single_program", "single_plan_best"):
+    assert p[name]["success"] <= bound and p[name]["craft_calls_refused"] > 0
+    assert p[name]["craft_calls_per_agent"]["max"] == s["budget"]
+  # Without the budget the same single program solves them: the budget is what closes it.
+  assert p["single_program_no_budget"]["success"] == 1.0
+  assert p["single_program_no_budget"]["craft_calls_per_agent"]["agents_over_budget"] > 0
+  assert out["single_successes_beyond_the_bound"] == [] and all(out["verdict"].values())
+  trees = R.load_trees_jsonl(os.path.join(tmp_path, "recursive_program.trees.jsonl"))
+  assert len(trees) == 4 and all(t.meta["episode"]["tool_calls"] for t in trees)
+
+
+def _tree(task_id: str, nodes: int, success: float) -> R.TreeRecord:
+  ns = [R.NodeRecord("0", None, 0, "g", children=[f"0.{i}" for i in range(1, nodes)],
+                     success=success)]
+  ns += [R.NodeRecord(f"0.{i}", "0", 1, "g", success=1.0) for i in range(1, nodes)]
+  return R.TreeRecord(task_id, task_id, task_id, "textcraft_synth", ns)
+
+
+def test_summary_has_the_issue_shape(tmp_path):
+  tasks = [f"t{i}" for i in range(10)]
+  def ev(k):
+    per = {t: float(i < k) for i, t in enumerate(tasks)}
+    return {"success": k / 10, "ci95": [0.0, 1.0], "per_task": per}
+  for stage, nodes in (("eval_before", 3), ("eval_after", 2)):
+    d = tmp_path / "recursive" / stage
+    d.mkdir(parents=True)
+    R.save_trees_jsonl(str(d / "trees.jsonl"), [_tree(t, nodes if i % 2 else 1, 0.0)
+                                                for i, t in enumerate(tasks)])
+  raw = {"recursive": {"before": ev(2), "after": ev(7)}, "single": {"before": ev(1),
+                                                                     "after": ev(1)}}
+  out = rev.summarize(raw, str(tmp_path))
+  rec = out["modes"]["recursive"]
+  assert (rec["before"], rec["after"]) == (0.2, 0.7)
+  assert rec["paired"]["delta"] == pytest.approx(0.5) and rec["paired"]["n"] == 10
+  assert len(rec["paired"]["ci95"]) == 2
+  assert rec["delegating_share"] == {"before": 0.5, "after": 0.5}
+  assert (out["modes"]["single"]["before"], out["modes"]["single"]["after"]) == (0.1, 0.1)
+  assert out["vs_single"]["delta"] == pytest.approx(0.6) and out["vs_single"]["n"] == 10
