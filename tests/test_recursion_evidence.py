@@ -80,3 +80,21 @@ def test_summary_has_the_issue_shape(tmp_path):
   assert rec["delegating_share"] == {"before": 0.5, "after": 0.5}
   assert (out["modes"]["single"]["before"], out["modes"]["single"]["after"]) == (0.1, 0.1)
   assert out["vs_single"]["delta"] == pytest.approx(0.6) and out["vs_single"]["n"] == 10
+
+
+@pytest.mark.parametrize("mode", ["recursive", "single"])
+def test_demonstrations_are_successful_trees_at_the_budget(mode):
+  import asyncio  # pylint: disable=g-import-not-at-top
+  s = dict(rev._SCALES["tiny"], demos=3, ctx=16384, max_new_tokens=4096)
+  c = rev.config_for(mode, s)
+  c.env.kwargs.tasks_per_difficulty = 8   # few train tasks: the single agent solves no medium one
+  trees = asyncio.run(rev._collect_demos(c, s, mode, chat.ByteChatTokenizer()))
+  assert len(trees) == 3 and all(t.root.success == 1.0 for t in trees)
+  for t in trees:
+    assert t.meta["episode"]["craft_budget_per_agent"] == s["budget"]
+    assert all(c.get("craft", 0) <= s["budget"] for c in t.meta["episode"]["tool_calls"].values())
+  diffs = {t.meta["difficulty"] for t in trees}
+  if mode == "recursive":
+    assert diffs == {"medium"} and all(len(t.nodes) > 1 for t in trees)
+  else:   # medium closures exceed the budget: the single agent's demonstrations are easy tasks
+    assert "easy" in diffs and all(len(t.nodes) == 1 for t in trees)
