@@ -94,7 +94,9 @@ def run_one(variant: str, seed: int, workdir: str) -> None:
   """One training run (in its own process: a breakage patch never leaks into another run)."""
   from experiments.configs import delegation as cfg_lib
   from rao_jax import trainer
-  c = cfg_lib.setup(os.path.join(workdir, f"seed{seed}"), f"seed={seed}")
+  # Up to 256 supervised steps: the copying circuit forms at a seed-dependent step (44 on
+  # seed 0; seed 1 had helpers at 0.25 after 96).
+  c = cfg_lib.setup(os.path.join(workdir, f"seed{seed}"), f"seed={seed}", max_steps=256)
   for key, value in VARIANTS.get(variant, {}).items():
     section, field = key.split(".")
     c[section][field] = value
@@ -201,6 +203,8 @@ def main() -> None:
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "rao_ablations"))
   p.add_argument("--out", default="", help="path prefix for .json and .png (e.g. "
                  "benchmarks/results/rao_ablations)")
+  p.add_argument("--report_only", action="store_true", help="run nothing: summarise the runs "
+                 "finished under --workdir (each variant over the seeds it has)")
   p.add_argument("--one", default="", help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -219,6 +223,8 @@ def main() -> None:
     for v in names:
       run_dir = os.path.join(args.workdir, f"seed{seed}", v)
       got = _read(run_dir)
+      if got is None and args.report_only:
+        continue
       if got is None:
         print(f"[{time.time() - t0:7.0f}s] seed {seed} {v}: running", file=sys.stderr,
               flush=True)
@@ -239,6 +245,7 @@ def main() -> None:
             f"{np.mean(got['success'][-LAST:]):.2f}, delegating "
             f"{np.mean(got['delegating'][-LAST:]):.2f}, held-out {got['eval_success']:.2f}",
             file=sys.stderr, flush=True)
+  names = [v for v in names if results[v]]
   out = {"benchmark": "rao_ablations", "cpu": _cpu_name(), "seeds": args.seeds,
          "steps": 30, "final": f"mean of the last {LAST} training steps",
          "variants": {v: _summary(results[v], results["control"]) for v in names
