@@ -178,14 +178,15 @@ def tree_stats(trees, budget: int) -> dict:
 CAPS_POLICIES = {
     # What the recursive model imitates: one generic cell, adapted to the budget.
     "recursive_program": ("recursive", "program", True, {}),
-    # What the single-agent model imitates: the same cell without helpers (`make` everything).
+    # What the single-agent model imitates: one cell that `make`s every target from base
+    # materials (the program-style single agent).
     "single_program": ("single", "program", True, {}),
     # The best single agent: the merged plan crafts each intermediate once (the fewest crafts
-    # possible), and its lookups get all the turns and the window they need, so only the
-    # budget can stop it.
+    # possible), and its lookups get all the turns, the window and the cell length they need
+    # (a hard plan is ~10K tokens), so only the budget can stop it.
     "single_plan_best": ("single", "plan", True,
-                         {"max_steps_per_agent": 16, "context_window": 16384,
-                          "max_new_tokens": 4096}),
+                         {"max_steps_per_agent": 24, "context_window": 65536,
+                          "max_new_tokens": 32768}),
     # The route the budget closes: the single program without it.
     "single_program_no_budget": ("single", "program", False, {}),
 }
@@ -203,7 +204,10 @@ async def _caps_trees(config, policy: str, tasks, tokenizer, repl_kind: str):
   env = X.make_env(c)
   engine = policies.ScriptedTextCraftEngine(tokenizer, policies.ScriptedConfig(style=style))
   rcfg = dataclasses.replace(X.runner_config(c, greedy=True), **overrides)
-  repls = local_exec.LocalReplPool() if repl_kind == "local" else X.sandbox_pool(c)
+  # No wall-clock limit on a local cell: it includes the helpers it awaits (a hard root waits
+  # for ~40 of them), which the sandbox's cell timeout does not count.
+  repls = (local_exec.LocalReplPool(cell_timeout_s=None) if repl_kind == "local"
+           else X.sandbox_pool(c))
   if hasattr(repls, "start"):
     await repls.start()
   try:
@@ -281,7 +285,8 @@ async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
   from rao_jax.agent import local_exec, policies  # pylint: disable=g-import-not-at-top
   env = X.make_env(config)
   engine = policies.ScriptedTextCraftEngine(tokenizer, policies.ScriptedConfig(style="program"))
-  runner = X.make_runner(config, env, engine, tokenizer, local_exec.LocalReplPool(), greedy=True)
+  runner = X.make_runner(config, env, engine, tokenizer,
+                         local_exec.LocalReplPool(cell_timeout_s=None), greedy=True)
   kept = []
   for diff in dict.fromkeys((s["train"], "easy")):
     tasks = X.task_split(env, "train", diff)

@@ -18,6 +18,8 @@ With a craft budget per agent (the environment's tool docs state it, `craft_budg
 the "program" style of a recursive node adapts its decomposition to the budget
 (`budget_program_turn`): it crafts its targets and the ingredients that fit, and gives each
 ingredient that does not to a helper, recursively, so every agent stays within its budget.
+The "plan" style does not adapt (its helpers follow crafting depth); under a budget its single
+agent is the best one possible, crafting each intermediate once.
 It relies on a ChatML-style transcript only through markers it prints itself ("INFO ...").
 Those lines are compact, `INFO <item> (crafting_depth, in_inventory, recipes)`: `can_craft` and
 `is_base` follow from the depth and the recipes, and the model that imitates these
