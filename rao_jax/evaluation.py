@@ -147,7 +147,8 @@ async def _evaluate_model(config, model, server_urls, num_tasks, modes, difficul
     label = ",".join(server_urls)
   else:
     from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
-    policy, tokenizer = load_pretrained(name, dtype=X._dtype(config.model.dtype))  # pylint: disable=protected-access
+    policy, tokenizer = load_pretrained(name, dtype=X._dtype(config.model.dtype),  # pylint: disable=protected-access
+                                        kernels=config.model.get("kernels", "auto"))
     engine = X.make_engine(config, policy, tokenizer)
     label = name
   safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)[:80]
