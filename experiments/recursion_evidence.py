@@ -25,10 +25,10 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   a plot beside it and an HTML page of held-out trees before and after.
 
   python -m experiments.recursion_evidence --stages=caps --scale=cpu --workdir=runs/recursion
-  python -m experiments.recursion_evidence --scale=cpu --workdir=runs/recursion   # ~175 min, 2 CPUs
+  python -m experiments.recursion_evidence --scale=cpu --workdir=runs/recursion   # ~150 min, 2 CPUs
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
-  # command on one H200-class GPU: ~4 h for SmolLM2-135M (see the estimate at _SCALES):
+  # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
   python -m experiments.recursion_evidence --scale=gpu --workdir=runs/recursion_gpu
 """
 import asyncio
@@ -81,10 +81,11 @@ def _flag(name: str):
 #   costs more per evaluation: at most max_new_tokens x max_steps_per_agent a node).
 #
 # GPU (one H200-class device): the paper's hard row, trained on medium and evaluated on hard
-# with an 8K window. Hard trees have ~40 agents at budget 8 (at most ~85, 6 levels below the
-# root), so max_depth 8 and 128 live agents. About 4 hours: SFT 150 steps ~25 min, two
-# evaluations of 200 hard trees (~8,000 agents each) ~30 min each, RL 40 steps of 8 x 8
-# medium trees ~2.5 h.
+# with an 8K window. Hard trees have ~37 agents at budget 8 (at most ~85, 6 levels below the
+# root), so max_depth 8 and 128 live agents. Not measured (no GPU was lent); an order of
+# magnitude: an evaluation of 200 hard trees is ~7,500 agents and ~3M generated tokens, 15-30
+# min at a few thousand generated tokens/s (64 slots, 135M parameters); RL 40 steps of 8 x 8
+# medium trees (~350 agents a step) 1-2 h; SFT 150 steps ~20 min: ~3-4 hours in all.
 _SCALES = {
     "tiny": dict(caps_tasks=8, eval_tasks=4, sft_steps=2, demos=2, sft_trees=1, rl_steps=2,
                  tasks_per_step=1, group=2, ctx=2048, eval_diff="medium", train="medium",

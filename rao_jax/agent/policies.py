@@ -309,17 +309,18 @@ def budget_program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   their sizes. A helper runs the same cell, so the decomposition recurses until each agent's
   part fits its own budget. A goal that fits the budget needs no helper. Only the goal and the
   step budget (copied from the prompt) change between demonstrations, so a small model has one
-  program to learn (~370 SmolLM2 tokens).
+  program to learn (a cell of ~390 SmolLM2 tokens).
   """
   if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
     return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
   m = _BUDGET.search(prompt_text)
   # This turn is already counted when the cell runs, and launch_subagent keeps one step back.
-  steps = max(1, int(m.group(1)) - 2) if m else 1
+  # Written as the prompt's number minus 2: a model copies the number, no arithmetic.
+  steps = f"({m.group(1)} - 2)" if m and int(m.group(1)) > 2 else "1"
   goal = "{" + ", ".join(f"{item!r}: {n}" for item, n in targets.items()) + "}"
   return ("Craft my targets and what fits my craft budget; helpers craft the rest.\n```python\n"
           + _BUDGET_SOLVER + f"\ngoal = {goal}\n"
-          + _BUDGET_MAIN.replace("STEPS", str(steps)) + "\n```")
+          + _BUDGET_MAIN.replace("STEPS", steps) + "\n```")
 
 
 def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
