@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import threading
 from typing import Any, Sequence

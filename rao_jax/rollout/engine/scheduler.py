@@ -12,7 +12,7 @@ import collections
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
