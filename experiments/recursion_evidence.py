@@ -12,7 +12,8 @@ complete (a rerun skips complete stages and resumes the unfinished one):
              fewest crafts any agent needs, with turns unlimited), and the single program without a
              budget (the route the budget closes). Also the share of tasks whose recipe closure
              fits one budget, an upper bound on any single agent's success.
-             Result: `--caps_out` (benchmarks/results/recursion_caps.json).
+             Result: `--caps_out` (benchmarks/results/recursion_caps.json, --scale=cpu
+             --repl=sandbox; recursion_caps_gpu_hard.json, --scale=gpu --repl=local).
   Per mode (recursive, single at the same budget and window):
   1. `demos`        scripted program-style trees on train tasks at the budget (successful ones);
   2. `sft`          supervised warm start on them;
