@@ -355,7 +355,7 @@ def summarize(raw: dict, root: str) -> dict:
   for mode, r in raw.items():
     b, a = r["before"], r["after"]
     m = {"before": b["success"], "before_ci95": b["ci95"], "after": a["success"],
-         "after_ci95": a["ci95"]}
+         "after_ci95": a["ci95"], "n": len(a["per_task"])}
     if mode == "recursive":
       m["paired"] = le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
       shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
@@ -373,6 +373,14 @@ def summarize(raw: dict, root: str) -> dict:
     out["vs_single"] = le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
                                   {t: rec[t] for t in common})
   return out
+
+
+def plot(result: dict, root: str, difficulty: str, path: str) -> None:
+  """learning_evidence's plot (training curves, held-out success before and after per mode)."""
+  le.plot({"modes": {m: {difficulty: {
+      "before": r["before"], "after": r["after"], "before_ci95": r["before_ci95"],
+      "after_ci95": r["after_ci95"], "paired": r.get("paired") or {"n": r.get("n")}}}
+      for m, r in result["modes"].items()}, "training": result.get("training", {})}, root, path)
 
 
 def main(argv):
@@ -404,11 +412,7 @@ def main(argv):
   with open(out, "w") as f:
     json.dump(result, f, indent=2)
   stem = os.path.splitext(out)[0]
-  le.plot({"modes": {m: {s["eval_diff"]: {
-      "before": r["before"], "after": r["after"], "before_ci95": r["before_ci95"],
-      "after_ci95": r["after_ci95"], "paired": r.get("paired")}}
-      for m, r in result["modes"].items()}, "training": result["training"]}, root,
-      stem + ".png")
+  plot(result, root, s["eval_diff"], stem + ".png")
   le.trees_page(root, list(raw), stem + "_trees.html")
   print(json.dumps(result))
 

@@ -79,6 +79,7 @@ def test_summary_has_the_issue_shape(tmp_path):
   assert len(rec["paired"]["ci95"]) == 2
   assert rec["delegating_share"] == {"before": 0.5, "after": 0.5}
   assert (out["modes"]["single"]["before"], out["modes"]["single"]["after"]) == (0.1, 0.1)
+  assert out["modes"]["single"]["n"] == 10
   assert out["vs_single"]["delta"] == pytest.approx(0.6) and out["vs_single"]["n"] == 10
 
 
@@ -98,3 +99,16 @@ def test_demonstrations_are_successful_trees_at_the_budget(mode):
     assert diffs == {"medium"} and all(len(t.nodes) > 1 for t in trees)
   else:   # medium closures exceed the budget: the single agent's demonstrations are easy tasks
     assert "easy" in diffs and all(len(t.nodes) == 1 for t in trees)
+
+
+def test_plot_of_the_result(tmp_path):
+  result = {"modes": {
+      "recursive": {"before": 0.1, "after": 0.4, "before_ci95": [0.0, 0.2],
+                    "after_ci95": [0.3, 0.5], "paired": {"n": 64}},
+      "single": {"before": 0.05, "after": 0.05, "before_ci95": [0.0, 0.1],
+                 "after_ci95": [0.0, 0.1]}},
+      "training": {"recursive": {"success": [0.1, 0.3], "tree_nodes": [5.0, 5.5]}}}
+  path = str(tmp_path / "recursion.png")
+  rev.plot(result, str(tmp_path), "medium", path)
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
