@@ -366,14 +366,19 @@ class Learner:
     self._ckpt = None
 
   # ---- data -----------------------------------------------------------------------------------
+  @staticmethod
+  def advantages(trees, cfg: LearnerConfig) -> Advantages:
+    """RAO rewards, advantages and depth weights of `trees` under `cfg`'s settings."""
+    return compute_rewards_and_advantages(trees, lam=cfg.lam, advantage=cfg.advantage,
+                                          train_nodes=cfg.train_nodes,
+                                          depth_weights=cfg.depth_weights)
+
   def prepare(self, trees) -> tuple[PackedBatch, Advantages]:
     """RAO rewards/advantages and the packed batch for `trees`, with this learner's settings.
 
     Nodes with zero advantage are left out when no KL penalty is on (they add nothing).
     """
-    adv = compute_rewards_and_advantages(trees, lam=self.cfg.lam, advantage=self.cfg.advantage,
-                                         train_nodes=self.cfg.train_nodes,
-                                         depth_weights=self.cfg.depth_weights)
+    adv = self.advantages(trees, self.cfg)
     batch = pack_trees(trees, adv, self.cfg.row_len, self.cfg.bucket_rows, loss=self.cfg.loss,
                        token_sum_normalizer=self.cfg.token_sum_normalizer,
                        drop_zero_advantage=self.cfg.kl_coef == 0)
