@@ -266,7 +266,10 @@ def main() -> None:
         out["claims"][v] = {"paper": CLAIMS[v],
                             "measured": f"success {sign(d['success'])}, delegating "
                                         f"{sign(d['delegating'])} than full RAO"}
-  out["minutes"] = round((time.time() - t0) / 60, 1)
+  out["minutes"] = round((time.time() - t0) / 60, 1)   # this invocation
+  # The training runs' own minutes (every variant and seed; warm starts not included).
+  out["run_minutes_total"] = round(sum(r["minutes"] for v in names
+                                       for r in results[v].values()), 1)
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
