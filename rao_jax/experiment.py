@@ -300,6 +300,32 @@ def rl_config(config) -> RLConfig:
       deadline_rule=rl.deadline_rule)
 
 
+def engine_config(config):
+  """The embedded engine's `EngineConfig` of a run: EngineConfig's defaults, then
+  `config.rollout.{num_slots, max_cache_len, share_prefix_min}` and any field set in
+  `config.rollout.embedded`; the sampling seed is the run's, one stream per process.
+
+  Raises:
+    ValueError: a key of `config.rollout.embedded` that is not an EngineConfig field.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from rao_jax.rollout.engine import EngineConfig  # pylint: disable=g-import-not-at-top
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  extra = _to_plain(config.rollout.get("embedded", {})) or {}
+  unknown = sorted(set(extra) - fields)
+  if unknown:
+    raise ValueError(f"config.rollout.embedded has {unknown}, which are not fields of the "
+                     f"embedded engine's EngineConfig; valid: {sorted(fields)}.")
+  kw = {k: tuple(v) if isinstance(v, list) else v for k, v in extra.items()}
+  kw.setdefault("num_slots", int(config.rollout.num_slots))
+  kw.setdefault("max_len", int(config.rollout.max_cache_len))
+  kw.setdefault("share_prefix_min", int(config.rollout.get("share_prefix_min",
+                                                          EngineConfig.share_prefix_min)))
+  # Each process of a multi-host run samples its own share of trees with its own stream.
+  kw.setdefault("seed", int(config.seed) + jax.process_index())
+  return EngineConfig(**kw)
+
+
 def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
                 export_dir: str | None = None):
   """The rollout engine of `config.rollout.engine`, serving `model`'s current weights as
@@ -307,16 +333,8 @@ def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
   `export_dir` (a folder its servers can read)."""
   kind = config.rollout.engine
   if kind == "embedded":
-    import jax  # pylint: disable=g-import-not-at-top
-    from rao_jax.rollout.embedded import (  # pylint: disable=g-import-not-at-top
-        EmbeddedEngine, EngineConfig)
-    max_len = int(config.rollout.max_cache_len)
-    # Each process of a multi-host run samples its own share of trees with its own stream.
-    return EmbeddedEngine(model, num_slots=int(config.rollout.num_slots), max_len=max_len,
-                          seed=int(config.seed) + jax.process_index(),
-                          weight_version=weight_version,
-                          share_prefix_min=int(config.rollout.get(
-                              "share_prefix_min", EngineConfig.share_prefix_min)))
+    from rao_jax.rollout.engine import EmbeddedEngine  # pylint: disable=g-import-not-at-top
+    return EmbeddedEngine(model, engine_config(config), weight_version=weight_version)
   if kind == "sglang":
     from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
     urls = list(config.rollout.urls)

@@ -174,3 +174,21 @@ def test_task_files_replace_a_split_through_the_config(tmp_path):
   goals = [json.loads(line)["goal"] for line in lines]
   assert [t.goal for t in env.tasks("test")] == goals
   assert len(env.tasks("train")) == 900     # the other splits stay the environment's own
+
+
+def test_engine_config_takes_engine_defaults_and_any_field_a_run_sets():
+  from rao_jax import experiment as X
+  from rao_jax.rollout.engine import EngineConfig
+  c = base.base_config()
+  e = X.engine_config(c)
+  assert (e.num_slots, e.max_len, e.share_prefix_min) == (
+      c.rollout.num_slots, c.rollout.max_cache_len, c.rollout.share_prefix_min)
+  assert e.chunk_sizes == EngineConfig.chunk_sizes and e.seed == c.seed
+  c.rollout.embedded.chunk_sizes = [16, 128]
+  c.rollout.embedded.decode_rows = (8, 32)
+  e = X.engine_config(c)
+  assert e.chunk_sizes == (16, 128) and e.decode_rows == (8, 32)
+  base.check_keys(c)   # the section is free-form: its keys are EngineConfig's
+  c.rollout.embedded.chunk_size = 64
+  with pytest.raises(ValueError, match=r"\['chunk_size'\].*valid"):
+    X.engine_config(c)

@@ -110,6 +110,10 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common
                                      # prompt prefix this long (the system prompt); 0 = off
+  # Any other field of the embedded engine's EngineConfig (rao_jax/rollout/engine/config.py:
+  # chunk_sizes, prefill_rows, decode_rows, cache_lens, min_cache_len, decode_steps, ...);
+  # unset fields keep EngineConfig's defaults, the one set of engine defaults.
+  c.rollout.embedded = config_dict.ConfigDict()
 
   c.sandbox = config_dict.ConfigDict()
   c.sandbox.isolation = "bwrap"      # bwrap | process (weaker, only when asked for)
@@ -141,7 +145,7 @@ def base_config() -> config_dict.ConfigDict:
 
 
 # Subtrees whose keys belong to the environment or to a split, not to the code reading them.
-FREE_FORM = ("env.kwargs", "env.task_files")
+FREE_FORM = ("env.kwargs", "env.task_files", "rollout.embedded")
 
 
 def check_keys(config) -> None:
