@@ -136,10 +136,28 @@ def cell_probs(model, rows: Sequence[Sequence[int]], cell_ids: Sequence[int]) ->
     tokens_BxT[b, T - len(r):] = r
     segments_BxT[b, T - len(r):] = 1
     positions_BxT[b, T - len(r):] = np.arange(len(r))
-  hidden_BxTxD = model(jnp.asarray(tokens_BxT), jnp.asarray(positions_BxT),
-                       jnp.asarray(segments_BxT))
-  p_BxV = np.asarray(jax.nn.softmax(model.logits(hidden_BxTxD[:, -1:])[:, 0]))
+  p_BxV = np.asarray(_last_probs(model, jnp.asarray(tokens_BxT), jnp.asarray(positions_BxT),
+                                 jnp.asarray(segments_BxT)))
   return p_BxV[np.arange(len(rows)), np.asarray(cell_ids)]
+
+
+def _last_probs(model, tokens_BxT, positions_BxT, segments_BxT):
+  """softmax of the last position's logits, jitted once per shape (the warm start probes the
+  same rows every few steps; eagerly, each probe cost as much as four supervised steps)."""
+  global _LAST_PROBS
+  if _LAST_PROBS is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    @nnx.jit
+    def fn(model, tokens_BxT, positions_BxT, segments_BxT):
+      hidden_BxTxD = model(tokens_BxT, positions_BxT, segments_BxT)
+      return jax.nn.softmax(model.logits(hidden_BxTxD[:, -1:])[:, 0])
+    _LAST_PROBS = fn
+  return _LAST_PROBS(model, tokens_BxT, positions_BxT, segments_BxT)
+
+
+_LAST_PROBS = None
 
 
 def grow_trees(env, tokenizer, runner_cfg, tasks, turn_fn: Callable[[str, int], str]):

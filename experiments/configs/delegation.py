@@ -46,6 +46,9 @@ def get_config(arg: str | None = None):
   c.learner.bucket_rows = (36,)         # one row per node: up to 12 roots + 24 helpers; one
                                         # bucket, one compilation
   c.rollout.num_slots = 36              # every node of a step's 12 trees at once
+  # A turn is one token, sampled from the prefill's logits: decode batches barely run, so
+  # one decode shape (instead of 1, 4, 16, 36) saves their compilations.
+  c.rollout.embedded.decode_rows = (36,)
   c.rollout.max_cache_len = 320
   c.sandbox.pool_size = 12
   c.ckpt.every = 1000                   # the trainer still saves at the end
