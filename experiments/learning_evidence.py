@@ -149,9 +149,31 @@ class _Stages:
     return result
 
 
+def eval_stage(mode: str, src: str, num_tasks: int, difficulties):
+  """A greedy held-out evaluation stage of the checkpoint in `src` (one mode)."""
+  def fn(d):
+    from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
+    r = evaluation.evaluate_checkpoint(src, num_tasks=num_tasks, modes=(mode,),
+                                       difficulties=tuple(difficulties), out_dir=d)
+    return r["modes"][mode]
+  return fn
+
+
+def rl_stage(config, sft_dir: str):
+  """The RAO stage: `config` trained from the warm start in `sft_dir` (resumes by itself)."""
+  def fn(d):
+    from rao_jax import trainer  # pylint: disable=g-import-not-at-top
+    config.ckpt.init_from = sft_dir
+    r = trainer.train(config, d)
+    if r["stopped"]:
+      raise SystemExit("RL stopped by a signal; run the same command again to resume.")
+    return {"step": r["step"]}
+  return fn
+
+
 def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
   """The four stages of one mode; returns (per-difficulty result, stage minutes)."""
-  from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
+  from rao_jax import sft  # pylint: disable=g-import-not-at-top
   stages = _Stages(os.path.join(root, mode))
   sft_dir = os.path.join(root, mode, "sft")
   rl_dir = os.path.join(root, mode, "rl")
@@ -160,25 +182,11 @@ def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
     r = sft.run_sft(config_for(mode, s), d)
     return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
 
-  def do_eval(src):
-    def fn(d):
-      r = evaluation.evaluate_checkpoint(src, num_tasks=s["eval_tasks"], modes=(mode,),
-                                         difficulties=s["eval_diffs"], out_dir=d)
-      return r["modes"][mode]
-    return fn
-
-  def do_rl(d):
-    c = config_for(mode, s)
-    c.ckpt.init_from = sft_dir
-    r = trainer.train(c, d)
-    if r["stopped"]:
-      raise SystemExit("RL stopped by a signal; run the same command again to resume.")
-    return {"step": r["step"]}
-
   stages.run("sft", do_sft)
-  before = stages.run("eval_before", do_eval(sft_dir))
-  stages.run("rl", do_rl)
-  after = stages.run("eval_after", do_eval(rl_dir))
+  before = stages.run("eval_before", eval_stage(mode, sft_dir, s["eval_tasks"],
+                                                 s["eval_diffs"]))
+  stages.run("rl", rl_stage(config_for(mode, s), sft_dir))
+  after = stages.run("eval_after", eval_stage(mode, rl_dir, s["eval_tasks"], s["eval_diffs"]))
   per = {}
   for diff in s["eval_diffs"]:
     b, a = before[diff], after[diff]

@@ -302,7 +302,7 @@ async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
 
 def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
   """demos, sft, eval_before, rl, eval_after of one mode; (result, stage minutes)."""
-  from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
+  from rao_jax import sft  # pylint: disable=g-import-not-at-top
   from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
   stages = le._Stages(os.path.join(root, mode))  # pylint: disable=protected-access
   sft_dir = os.path.join(root, mode, "sft")
@@ -322,26 +322,14 @@ def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
     r = sft.run_sft(config_for(mode, s), d, demos_path=demos_file)
     return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
 
-  def do_eval(src):
-    def fn(d):
-      r = evaluation.evaluate_checkpoint(src, num_tasks=s["eval_tasks"], modes=(mode,),
-                                         difficulties=(s["eval_diff"],), out_dir=d)
-      return r["modes"][mode]
-    return fn
-
-  def do_rl(d):
-    c = config_for(mode, s)
-    c.ckpt.init_from = sft_dir
-    r = trainer.train(c, d)
-    if r["stopped"]:
-      raise SystemExit("RL stopped by a signal; run the same command again to resume.")
-    return {"step": r["step"]}
-
   stages.run("demos", do_demos)
   stages.run("sft", do_sft)
-  before = stages.run("eval_before", do_eval(sft_dir))[s["eval_diff"]]
-  stages.run("rl", do_rl)
-  after = stages.run("eval_after", do_eval(rl_dir))[s["eval_diff"]]
+  diffs = (s["eval_diff"],)
+  before = stages.run("eval_before", le.eval_stage(mode, sft_dir, s["eval_tasks"], diffs)
+                      )[s["eval_diff"]]
+  stages.run("rl", le.rl_stage(config_for(mode, s), sft_dir))
+  after = stages.run("eval_after", le.eval_stage(mode, rl_dir, s["eval_tasks"], diffs)
+                     )[s["eval_diff"]]
   return {"before": before, "after": after}, stages.minutes
 
 
