@@ -127,9 +127,11 @@ def test_weight_version_default_and_payload():
       sp0 = srv.bodies[0]["sampling_params"]
       assert "stop_token_ids" not in sp0 and "ignore_eos" not in sp0
       await client.generate(GenerateRequest([1], SamplingParams(
-          max_new_tokens=1, stop_token_ids=(9,), min_p=0.1, repetition_penalty=1.2)))
+          max_new_tokens=3, stop_token_ids=(9,), min_p=0.1, repetition_penalty=1.2,
+          min_new_tokens=2)))
       sp = srv.bodies[-1]["sampling_params"]
       assert sp["stop_token_ids"] == [9] and sp["ignore_eos"] is True
+      assert sp["min_new_tokens"] == 2 and "min_new_tokens" not in sp0
       assert sp["min_p"] == pytest.approx(0.1) and sp["repetition_penalty"] == 1.2
       assert "frequency_penalty" not in sp
       await client.close()

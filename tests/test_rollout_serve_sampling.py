@@ -75,12 +75,59 @@ def test_engine_stops_at_its_default_stop_tokens_unless_told_otherwise(model):
   assert other.token_ids == ref.token_ids[:6]          # explicit ids replace the defaults
 
 
+def test_min_new_tokens_masks_the_stop_ids_until_then(model):
+  """SGLang's min_new_tokens: token k cannot be a stop id while k < min_new_tokens (the stop ids'
+  logits are masked, at the prefill's first token and in every decode step); from then on the
+  first stop id ends the request. Greedy, so a masked stop id is replaced by the next most likely
+  token, and an engine that decodes 3 steps per call must give what a 1-step engine gives (the
+  mask counts down inside a multi-step decode)."""
+  prompt = list(range(7, 27))
+  eng_kw = dict(num_slots=2, max_len=64, cache_lens=(64,), chunk_sizes=(16,), prefill_rows=(1,))
+  greedy = dict(temperature=0, max_new_tokens=12)
+  mins = (0, 1, 2, 3, 5, 12)
+
+  async def go(decode_steps, stops):
+    eng = EmbeddedEngine(model, decode_steps=decode_steps, **eng_kw)
+    ref = await eng.generate(GenerateRequest(prompt, SamplingParams(**greedy)))
+    outs = {}
+    for stop in stops or dict.fromkeys(ref.token_ids[:6]):
+      for min_new in mins:
+        outs[stop, min_new] = await eng.generate(GenerateRequest(prompt, SamplingParams(
+            **greedy, stop_token_ids=(stop,), min_new_tokens=min_new)))
+    await eng.close()
+    return ref, outs
+
+  ref, one = asyncio.run(go(1, None))
+  _, three = asyncio.run(go(3, [stop for stop, _ in one]))
+  first, second = ref.token_ids[0], ref.token_ids[1]
+  assert first != second
+  assert one[first, 0].token_ids == [first]          # no minimum: greedy's first token stops
+  assert one[second, 1].token_ids == ref.token_ids[:2]
+  for (stop, min_new), r in one.items():
+    ids = r.token_ids
+    assert three[stop, min_new].token_ids == ids, (stop, min_new, ids)
+    assert stop not in ids[:min_new], (stop, min_new, ids)
+    if r.finish_reason.value == "stop":
+      assert ids[-1] == stop and ids.count(stop) == 1 and len(ids) > min_new
+    else:
+      assert r.finish_reason.value == "length" and len(ids) == 12 and stop not in ids
+  # Masked at the prefill's first token: greedy's first token is replaced.
+  assert one[first, 1].token_ids[0] != first
+  # Masked inside the decode steps: the second token is not greedy's second.
+  assert one[second, 5].token_ids[0] == first and one[second, 5].token_ids[1] != second
+  # Somewhere a stop ends a request right at its minimum (the case a late count-down breaks).
+  assert any(r.finish_reason.value == "stop" and len(r.token_ids) == m + 1
+             for (_, m), r in one.items() if m > 1), {k: r.token_ids for k, r in one.items()}
+
+
 def test_sampling_params_validation_names_the_field():
   for kw, field in ((dict(min_p=1.5), "min_p"), (dict(frequency_penalty=3), "frequency_penalty"),
                     (dict(presence_penalty=-2.5), "presence_penalty"),
                     (dict(repetition_penalty=0), "repetition_penalty"),
                     (dict(stop_token_ids=(1, -2)), "stop_token_ids"),
-                    (dict(stop_token_ids=("a",)), "stop_token_ids")):
+                    (dict(stop_token_ids=("a",)), "stop_token_ids"),
+                    (dict(min_new_tokens=9, max_new_tokens=8), "min_new_tokens"),
+                    (dict(min_new_tokens=-1), "min_new_tokens")):
     with pytest.raises(ValueError, match=field):
       SamplingParams(**kw)
   assert SamplingParams(stop_token_ids=[np.int64(3), 4]).stop_token_ids == (3, 4)

@@ -43,12 +43,13 @@ def test_sampling_defaults_and_resolution():
   assert (s.params.top_p, s.params.temperature) == (0.5, 0.3)
 
 
-def test_min_new_tokens_moves_the_stops_to_the_server():
+def test_min_new_tokens_goes_to_the_engine_with_the_stop_ids():
   s = parse_sampling({"min_new_tokens": 3, "max_new_tokens": 8, "stop_token_ids": [9]}, EOS,
                      True)
-  # The engine must not stop on its own before 3 tokens: it gets no stop ids; the server keeps
-  # them all and ends the request at the first one from token 3 on.
-  assert s.params.stop_token_ids == () and s.stop_ids == (9,) + EOS and s.min_new == 3
+  # The engine masks the stop ids before 3 tokens (SamplingParams.min_new_tokens); the server
+  # checks its stop strings from token 3 on.
+  assert s.params.stop_token_ids == (9,) + EOS and s.params.min_new_tokens == 3
+  assert s.stop_ids == (9,) + EOS and s.min_new == 3
   assert parse_sampling({"min_new_tokens": 8, "max_new_tokens": 8}, EOS, True).min_new == 8
 
 

@@ -41,6 +41,9 @@ class SamplingParams:
     repetition_penalty: divides positive (multiplies negative) logits of tokens generated
       before; 1 = off. The penalties see the generated tokens only, as SGLang's penalizers do,
       and apply before temperature (the reported logprobs include them).
+    min_new_tokens: no stop id can end generation before this many tokens: the stop ids'
+      logits are masked until then (SGLang's ``min_new_tokens``; the reported logprobs are
+      those of the masked distribution). 0 = off.
   """
   temperature: float = 1.0
   top_p: float = 1.0
@@ -52,6 +55,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
   repetition_penalty: float = 1.0
+  min_new_tokens: int = 0
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -62,6 +66,9 @@ class SamplingParams:
       raise ValueError(f"SamplingParams.top_k={self.top_k!r}: use -1 for all tokens or a positive int.")
     if self.max_new_tokens < 1:
       raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be >= 1.")
+    if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+      raise ValueError(f"SamplingParams.min_new_tokens={self.min_new_tokens!r}: must be in "
+                       f"[0, max_new_tokens={self.max_new_tokens}].")
     if not 0 <= self.min_p <= 1:
       raise ValueError(f"SamplingParams.min_p={self.min_p!r}: must be in [0, 1] (0 = off).")
     for name in ("frequency_penalty", "presence_penalty"):

@@ -139,35 +139,49 @@ class DecodeBatch:
 
 @struct.dataclass
 class Penalties:
-  """SGLang's repetition-type penalties over each row's generated tokens.
+  """What changes a row's logits before sampling: SGLang's repetition-type penalties over its
+  generated tokens, and the masking of its stop ids before ``min_new_tokens``.
 
   Attributes:
     counts_RxV: times each token was generated so far (carried through the decode steps).
     frequency_R / presence_R / repetition_R: see ``SamplingParams``.
+    stops_RxV: the row's stop ids (True), masked while ``min_left_R`` > 0.
+    min_left_R: tokens the row must still generate before a stop id may be drawn (counted
+      down through the decode steps).
   """
   counts_RxV: Any
   frequency_R: Any
   presence_R: Any
   repetition_R: Any
+  stops_RxV: Any
+  min_left_R: Any
 
-  def apply(self, logits_RxV, counts_RxV):
-    return sampling.apply_penalties(logits_RxV, counts_RxV, self.frequency_R, self.presence_R,
-                                    self.repetition_R)
+  def apply(self, logits_RxV, counts_RxV, min_left_R):
+    logits_RxV = sampling.apply_penalties(logits_RxV, counts_RxV, self.frequency_R,
+                                          self.presence_R, self.repetition_R)
+    return jnp.where(self.stops_RxV & (min_left_R > 0)[:, None], -jnp.inf, logits_RxV)
 
 
-def penalties(R: int, vocab_size: int, rows: Sequence[tuple[int, SamplingParams, list[int]]]
-              ) -> Penalties | None:
-  """Penalty arrays of the rows ``(row, params, generated ids)`` that ask for any; None when
-  none does (the decode program then holds no penalty code)."""
-  rows = [r for r in rows if r[1].penalized]
+def penalties(R: int, vocab_size: int,
+              rows: Sequence[tuple[int, SamplingParams, list[int], Any]]) -> Penalties | None:
+  """Penalty arrays of the rows ``(row, params, generated ids, stop ids)`` that need any (a
+  penalty, or stop ids still masked by ``min_new_tokens``); None when none does (the programs
+  then hold no penalty code)."""
+  rows = [r for r in rows
+          if r[1].penalized or (r[1].min_new_tokens > len(r[2]) and r[3])]
   if not rows:
     return None
   counts = np.zeros((R, vocab_size), np.float32)
+  stops = np.zeros((R, vocab_size), bool)
   freq, pres, rep = np.zeros(R, np.float32), np.zeros(R, np.float32), np.ones(R, np.float32)
-  for i, p, out in rows:
+  left = np.zeros(R, np.int32)
+  for i, p, out, stop_ids in rows:
     np.add.at(counts[i], np.asarray(out, np.int64), 1.0)
     freq[i], pres[i], rep[i] = p.frequency_penalty, p.presence_penalty, p.repetition_penalty
-  return Penalties(counts, freq, pres, rep)
+    ids = [t for t in stop_ids if 0 <= t < vocab_size]
+    stops[i, ids] = True
+    left[i] = max(p.min_new_tokens - len(out), 0)
+  return Penalties(counts, freq, pres, rep, stops, left)
 
 
 @struct.dataclass
@@ -225,9 +239,12 @@ def prefill(fns, params, cache, batch: PrefillBatch):
 
 
 @jax.jit
-def sample(logits_PxV, arrays: SamplingArrays, positions_P):
-  """One token per row (and its logprob)."""
+def sample(logits_PxV, arrays: SamplingArrays, positions_P, penalties: Penalties | None = None):
+  """One token per row (and its logprob); with penalties (a prefill's first token: nothing
+  generated yet, so only the stop-id mask of ``min_new_tokens`` can act) a program of its own."""
   _traced("sample")
+  if penalties is not None:
+    logits_PxV = penalties.apply(logits_PxV, penalties.counts_RxV, penalties.min_left_R)
   return arrays.sample(logits_PxV, positions_P)
 
 
@@ -242,22 +259,24 @@ def decode(fns, n_steps: int, params, cache, batch: DecodeBatch, arrays: Samplin
   active_R = batch.active_R
 
   def step(carry, _):
-    cache, tok_R, len_R, counts_RxV = carry
+    cache, tok_R, len_R, counts_RxV, left_R = carry
     hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R)
     logits_RxV = fns.logits(params, hidden_Rx1xD)[:, 0]
     if penalties is not None:
-      logits_RxV = penalties.apply(logits_RxV, counts_RxV)
+      logits_RxV = penalties.apply(logits_RxV, counts_RxV, left_R)
     new_R, logp_R = arrays.sample(logits_RxV, len_R + 1)
     if penalties is not None:
       counts_RxV = counts_RxV.at[jnp.arange(new_R.shape[0]), new_R].add(
           active_R.astype(counts_RxV.dtype))
+      left_R = left_R - active_R.astype(left_R.dtype)
     tok_R = jnp.where(active_R, new_R, tok_R)
     len_R = len_R + active_R.astype(jnp.int32)
-    return (cache, tok_R, len_R, counts_RxV), (new_R, logp_R)
+    return (cache, tok_R, len_R, counts_RxV, left_R), (new_R, logp_R)
 
   counts0 = penalties.counts_RxV if penalties is not None else None
-  (cache, _, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
-      step, (cache, batch.tokens_R, batch.lengths_R, counts0), None, length=n_steps)
+  left0 = penalties.min_left_R if penalties is not None else None
+  (cache, _, _, _, _), (toks_NxR, logps_NxR) = jax.lax.scan(
+      step, (cache, batch.tokens_R, batch.lengths_R, counts0, left0), None, length=n_steps)
   return cache, toks_NxR.T, logps_NxR.T
 
 

@@ -103,9 +103,12 @@ class Scheduler:
     arrays = P.sampling_arrays(rows, [(i, s.req.params, s.req.seed) for i, s in enumerate(group)])
     cache, logits_PxV = self._prefill(self.state.params, self.state.cache, batch)
     self.state = self.state.replace(cache=cache)
-    # The first generated token has no earlier output, so the penalties (over generated
-    # tokens only) cannot change it: prefill samples without them.
-    tok_P, logp_P = P.sample(logits_PxV, arrays, batch.start_P + batch.n_valid_P)
+    # The first generated token has no earlier output, so the repetition penalties (over
+    # generated tokens only) cannot change it; only min_new_tokens' stop-id mask can.
+    pen = P.penalties(rows, self.vocab_size,
+                      [(i, s.req.params, [], s.req.stop_ids) for i, s in enumerate(group)
+                       if s.req.params.min_new_tokens > 0])
+    tok_P, logp_P = P.sample(logits_PxV, arrays, batch.start_P + batch.n_valid_P, pen)
     tok_P, logp_P = np.asarray(tok_P), np.asarray(logp_P)
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += sum(len(p) for p in pieces)
@@ -125,7 +128,8 @@ class Scheduler:
       batch.tokens_R[s.index], batch.active_R[s.index] = s.req.out[-1], True
     arrays = P.sampling_arrays(R, [(s.index, s.req.params, s.req.seed) for s in decoding])
     penalties = P.penalties(R, self.vocab_size,
-                            [(s.index, s.req.params, s.req.out) for s in decoding])
+                            [(s.index, s.req.params, s.req.out, s.req.stop_ids)
+                             for s in decoding])
     cache, toks_RxN, logps_RxN = self._decode(self.state.params, self.state.cache, batch,
                                               arrays, penalties)
     self.state = self.state.replace(cache=cache)

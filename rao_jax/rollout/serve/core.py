@@ -1,7 +1,7 @@
 """ServerCore: the state every route shares and how one item runs on the engine.
 
 Running an item is the same for every API: hand the engine a GenerateRequest, watch the tokens
-for stop strings (and, with ``min_new_tokens``, for the first stop id past that count), decode
+for stop strings (none before ``min_new_tokens``; the engine masks stop ids until then), decode
 and trim the text, and score prompt and top-k log-probs by one extra prefill when asked.
 """
 from __future__ import annotations
@@ -103,18 +103,13 @@ class ServerCore:
                          len(it.prompt))
     else:
       tail = max((len(s) for s in smp.stop_strs), default=0) + 8
-      # With min_new_tokens the engine was given no stop ids (schema.SamplingParamsIn.resolve):
-      # the first one generated at or past that count ends the request here.
-      late_stops = frozenset(smp.stop_ids) if smp.min_new else frozenset()
 
       def on_token(out, logps):   # on the engine's scheduler thread: quick, no blocking
         if progress is not None:
           snap = (list(out), list(logps))
           loop.call_soon_threadsafe(progress, *snap)
         if len(out) < smp.min_new:
-          return False            # SGLang checks no stop before min_new_tokens
-        if out[-1] in late_stops:
-          return True
+          return False            # SGLang checks no stop string before min_new_tokens
         if smp.stop_strs:
           piece = self._decode(out[-tail:], smp.skip_special)
           for s in smp.stop_strs:

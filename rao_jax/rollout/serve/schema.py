@@ -245,9 +245,8 @@ class SamplingParamsIn(JsonBody):
         params = SamplingParams(
             temperature=temperature, top_p=self.top_p, top_k=self.top_k,
             max_new_tokens=self.max_new_tokens,
-            # Before min_new_tokens no stop may end generation, so the engine gets none and the
-            # server ends the request at the first stop past that point (Server._run).
-            stop_token_ids=() if self.min_new_tokens else stops, seed=self.sampling_seed,
+            # Before min_new_tokens the engine masks the stop ids (SGLang's logit processor).
+            min_new_tokens=self.min_new_tokens, stop_token_ids=stops, seed=self.sampling_seed,
             min_p=self.min_p, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty)
       except ValueError as e:
