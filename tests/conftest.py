@@ -5,6 +5,18 @@ import os
 # before JAX initialises its backend. Unsharded code still runs on device 0 only.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the session and the subprocesses its tests start:
+# the suite compiles the same programs again and again (a run and its lr=0 control, a run and
+# its resume, a command and the same command after SIGTERM), and on 2 CPU cores compiling is
+# much of a short run. Removed when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit  # noqa: E402
+  import shutil  # noqa: E402
+  import tempfile  # noqa: E402
+  _XLA_CACHE = tempfile.mkdtemp(prefix="rao_jax_tests_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+  atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 # No test may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

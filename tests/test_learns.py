@@ -28,6 +28,13 @@ import pytest
 from experiments import micro_policy
 from experiments.configs import micro as micro_config
 
+# The two Trainer runs (152 s on an idle 2-core machine) run only with RAO_JAX_LONG_TESTS=1:
+# tests/test_learns_to_delegate.py runs the same loop in CI (one-token turns, a trained run
+# against its lr=0 control, a flipped sign measured to fail there too) and also needs the
+# helpers' credit to be right; the mask and weight-sync breakages above were measured here.
+LONG = pytest.mark.skipif(not os.environ.get("RAO_JAX_LONG_TESTS"), reason=(
+    "two 30-step Trainer runs (152 s on an idle 2-core machine; test_learns_to_delegate runs "
+    "the same loop in CI): set RAO_JAX_LONG_TESTS=1 to run them"))
 WINDOW = 10      # steps averaged at the start and at the end of a run (each step: 4 tasks)
 MARGIN = 0.12    # what the trained run must gain over the control (seeds 0, 1: 0.20, 0.14)
 
@@ -79,12 +86,14 @@ def runs(tmp_path_factory):
   return out
 
 
+@LONG
 @pytest.mark.slow
 def test_warm_start_leaves_room_to_learn(runs):
   # No gradient signal at 0% (every group fails) nor room at 100%.
   assert 0.05 <= runs["warm_start"]["success"] <= 0.6, runs["warm_start"]
 
 
+@LONG
 @pytest.mark.slow
 def test_success_rises_beyond_the_lr0_control(runs):
   trained, control = runs["trained"], runs["control"]
