@@ -91,15 +91,15 @@ _SCALES = {
     "tiny": dict(caps_tasks=8, eval_tasks=4, sft_steps=2, demos=2, sft_trees=1, rl_steps=2,
                  tasks_per_step=1, group=2, ctx=2048, eval_diff="medium", train="medium",
                  lr=2e-5, slots=8, budget=8, max_depth=4, max_live_agents=64,
-                 max_new_tokens=512),
+                 max_new_tokens=512, rl_temperature=0.4),
     "cpu": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2, rl_steps=4,
                 tasks_per_step=2, group=4, ctx=2048, eval_diff="medium", train="medium",
                 lr=2e-5, slots=32, budget=8, max_depth=4, max_live_agents=64,
-                max_new_tokens=512),
+                max_new_tokens=512, rl_temperature=0.4),
     "gpu": dict(caps_tasks=200, eval_tasks=200, sft_steps=150, demos=256, sft_trees=8,
                 rl_steps=40, tasks_per_step=8, group=8, ctx=8192, eval_diff="hard",
                 train="medium", lr=2e-6, slots=64, budget=8, max_depth=8,
-                max_live_agents=128, max_new_tokens=1024),
+                max_live_agents=128, max_new_tokens=1024, rl_temperature=0.7),
 }
 
 
@@ -112,6 +112,11 @@ def config_for(mode: str, s: dict):
   c.agent.max_depth = s["max_depth"]
   c.agent.max_live_agents = s["max_live_agents"]
   c.agent.max_new_tokens = s["max_new_tokens"]   # the budget program's cell is ~395 tokens
+  # RL rollouts sample at this temperature (the learner's log-probs use the same). At 1.0 the
+  # warm-started SmolLM2 corrupted every ~390-token cell within its first lines: the first RL
+  # step of the CPU run (train tasks) had 0 of 8 trees succeed and no tree delegate, so no
+  # group had a signal. The held-out set was not consulted for this choice.
+  c.agent.temperature = s["rl_temperature"]
   return c
 
 
