@@ -8,17 +8,18 @@ Measures, medians and 99th percentiles over repeats:
   pool_first_cell_ms  acquire + first cell `x = 1 + 1` from a warm pool (what an agent sees)
   exec_ms           round trip of the cell `x = 1 + 1` in a warm REPL
   tool_cell_ms      round trip of a cell that calls one host tool (`craft(1)`)
-Peers in the same run: the weaker isolation="process" mode (same REPL, no bwrap) and a bare
-`python -I -S -c pass` start, to show what the jail itself costs.
+Peers in the same run: the weaker isolation="process" mode (same REPL, no bwrap; spawns and
+round trips alternate with the jail's in rounds) and a bare `python -I -S -c pass` start, to
+show what the jail itself costs.
 
-Hardening (issue 20):
+Hardening:
   stop_cont_exec_ratio  exec with the REPL stopped between cells (SIGSTOP/SIGCONT) over exec
                         without, in alternating rounds of 50 in one process (its cost per cell)
   load_*                64 concurrent sandboxes x 20 cells, 8 of them misbehaving (one per class
-                        of issue 20): the well-behaved agents' acquire and cell round trip
+                        of attack): the well-behaved agents' acquire and cell round trip
                         (`x = 1 + 1`) under that load, their failures, the attacks contained,
                         the host's RSS growth
-Goals (issue 4): pool acquire <= 5 ms and exec <= 1 ms at the median, cold spawn <= 100 ms
+Goals: pool acquire <= 5 ms and exec <= 1 ms at the median, cold spawn <= 100 ms
 (measured on a quiet pool; the load figures say what 64 busy sandboxes on this machine cost).
 
   python benchmarks/bench_sandbox.py [--quick]
@@ -141,7 +142,7 @@ FIND_FD = (
     "    return False\n"
     "fds = [f for f in range(3, 4096) if is_sock(f)]\n"
     "def frame(b):\n  return len(b).to_bytes(4, 'big') + b\n")
-# One attack per class of issue 20 (class 6 is the runtime's; a nested frame stands in) and
+# One attack per class the sandbox contains (class 6 is the runtime's; a nested frame stands in) and
 # how to tell it was contained (tests/test_sandbox_pool.py has the same set with more checks).
 ATTACKS = {
     "shared-memory": ("import os\nout = []\nfor p in ('/dev/shm/x', '/dev/x'):\n  try:\n"
@@ -250,8 +251,17 @@ async def main(quick):
   proc_cfg = SandboxConfig(isolation="process")
   result = {"quick": quick}
 
-  log(f"cold spawns (bwrap) x{n_spawn}")
-  spawn, first = await cold_spawns(bwrap, n_spawn)
+  # The bwrap jail and its peer, the same REPL in isolation="process" (what a user who trusts
+  # the code, or has no bubblewrap, configures: SandboxConfig's other defaults unchanged), run
+  # in alternating rounds so machine drift hits both.
+  rounds = 2 if quick else 4
+  log(f"cold spawns (bwrap and process mode, alternating) x{n_spawn}")
+  spawn, first, p_spawn = [], [], []
+  for _ in range(rounds):
+    s_, f_ = await cold_spawns(bwrap, n_spawn // rounds)
+    spawn += s_
+    first += f_
+    p_spawn += (await cold_spawns(proc_cfg, n_spawn // rounds))[0]
   result["spawn_ms_p50"], result["spawn_ms_p99"] = _ms(spawn)
   result["first_cell_ms_p50"], result["first_cell_ms_p99"] = _ms(first)
 
@@ -260,8 +270,13 @@ async def main(quick):
   result["pool_acquire_ms_p50"], result["pool_acquire_ms_p99"] = _ms(acquire)
   result["pool_first_cell_ms_p50"], result["pool_first_cell_ms_p99"] = _ms(pooled_first)
 
-  log(f"exec round trips x{n_exec}")
-  execs, tool_cells = await exec_round_trips(bwrap, n_exec)
+  log(f"exec round trips (bwrap and process mode, alternating) x{n_exec}")
+  execs, tool_cells, p_exec = [], [], []
+  for _ in range(rounds):
+    e_, t_ = await exec_round_trips(bwrap, n_exec // rounds)
+    execs += e_
+    tool_cells += t_
+    p_exec += (await exec_round_trips(proc_cfg, n_exec // rounds))[0]
   result["exec_ms_p50"], result["exec_ms_p99"] = _ms(execs)
   result["tool_cell_ms_p50"], result["tool_cell_ms_p99"] = _ms(tool_cells)
 
@@ -270,10 +285,8 @@ async def main(quick):
   result["exec_ms_p50_no_stop"] = _ms(without)[0]
   result["stop_cont_exec_ratio"] = round(_ms(with_stop)[0] / _ms(without)[0], 3)
 
-  log("peers: process mode and bare python")
-  p_spawn, _ = await cold_spawns(proc_cfg, n_spawn)
+  log("peer: bare python")
   result["peer_process_spawn_ms_p50"] = _ms(p_spawn)[0]
-  p_exec, _ = await exec_round_trips(proc_cfg, n_exec)
   result["peer_process_exec_ms_p50"] = _ms(p_exec)[0]
   result["peer_bare_python_ms_p50"] = _ms(await bare_python(n_spawn))[0]
   result["spawn_vs_process_mode"] = round(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator checks of issue 18 on one NVIDIA GPU (an H200 when one is lent), offline, in
+# The accelerator checks on one NVIDIA GPU (an H200 when one is lent), offline, in
 # under 10 minutes. The machine has no package index but has jax (CUDA), flax, optax, orbax,
 # chex, absl-py, transformers, tokenizers, safetensors, aiohttp and tqdm; rao_jax's learner,
 # model and engine import nothing else, so the tree runs from PYTHONPATH (no install, no wheels).

@@ -460,7 +460,7 @@ def test_coroutines_never_awaited_are_contained():
   assert events in ([], ["started", "cancelled"])
 
 
-# ---- issue 20: limits that hold as root, against threads, shared memory and the host loop --
+# ---- limits that hold as root, against threads, shared memory and the host loop --
 
 @pytest.mark.slow
 def test_live_agent_limit_holds_when_launches_are_gathered():

@@ -138,7 +138,7 @@ def test_process_mode_still_has_rlimits_and_seccomp():
       "unix ok", "fork EPERM", "thread ok"]
 
 
-# The misbehaving agents of the load test, one per class of issue 20 (class 6, the live-agent
+# The misbehaving agents of the load test, one per class of attack the pool contains (class 6, the live-agent
 # limit, is the runtime's: its test is in test_sandbox_adversarial.py; a deeply nested frame,
 # the other half of class 4, takes its place). Each is (attack cell, check of its result).
 _FIND_FD = (
@@ -201,7 +201,7 @@ def _rss_mib():
 @needs_bwrap
 @pytest.mark.slow
 def test_sixty_four_concurrent_sandboxes_run_twenty_cells_each():
-  """56 well-behaved agents and 8 misbehaving ones (one per class of issue 20) at once: no
+  """56 well-behaved agents and 8 misbehaving ones (one per class of attack) at once: no
   failure among the well-behaved, every attack contained, host memory bounded."""
   n_agents, n_cells, attack_at = 64, 20, 3
   bad = list(BAD_AGENTS)
