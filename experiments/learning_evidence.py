@@ -299,7 +299,7 @@ def training_summary(rl_dir: str) -> dict:
           "train/rl/advantage_abs_mean", "train/learner/logp_mean", "train/learner/grad_norm",
           "train/tree_nodes", "train/tree_depth", "train/time/rollout_s",
           "train/time/learner_s", "train/time/sync_s", "train/rollout/tokens_per_s",
-          "train/learner/tokens_per_s")
+          "train/learner/tokens_per_s", "train/delegating_share")
   return {k.split("/", 1)[1]: [r.get(k) for r in rows] for k in keys}
 
 

@@ -52,6 +52,9 @@ _CAPS_OUT = flags.DEFINE_string("caps_out", "benchmarks/results/recursion_caps.j
                                 "Result JSON of the `caps` stage.")
 _STAGES = flags.DEFINE_enum("stages", "all", ["caps", "all"],
                             "`caps`: the scripted stage only (no model); `all`: every stage.")
+_RL_TEMPERATURE = flags.DEFINE_float(
+    "rl_temperature", None, "RL rollout temperature (default: the scale's `rl_temperature`).")
+_RL_STEPS = flags.DEFINE_integer("rl_steps", None, "RL steps (default: the scale's `rl_steps`).")
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
@@ -376,11 +379,168 @@ def plot(result: dict, root: str, difficulty: str, path: str) -> None:
       for m, r in result["modes"].items()}, "training": result.get("training", {})}, root, path)
 
 
+def rl_attempts(root: str, mode: str) -> list[dict]:
+  """RL runs of `mode` that were stopped and set aside (`rl_<why>_aborted` folders): what their
+  steps measured, so a null result keeps its diagnosis."""
+  out = []
+  base = os.path.join(root, mode)
+  for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+    if name.startswith("rl_") and name.endswith("_aborted"):
+      with open(os.path.join(base, name, "config.json")) as f:
+        temperature = json.load(f)["agent"]["temperature"]
+      out.append({"folder": name, "temperature": temperature,
+                  "steps": le.training_summary(os.path.join(base, name))})
+  return out
+
+
+def report_from_disk(s: dict, root: str, modes) -> dict:
+  """The result from the stages complete on disk (`--report_only`): `complete: false` and the
+  missing stages when a mode has not finished. Where the recursive RL stage applied no update
+  (every sampled tree failed, so no group had a signal), its policy after RL is the warm start:
+  `vs_single` then compares the warm start with the single agent, and says so."""
+  raw, missing, minutes = {}, {}, {}
+  for mode in modes:
+    done = {}
+    for stage in ("demos", "sft", "eval_before", "rl", "eval_after"):
+      marker = os.path.join(root, mode, stage, "stage.json")
+      if os.path.exists(marker):
+        with open(marker) as f:
+          out = json.load(f)
+        done[stage] = out["result"]
+        minutes.setdefault(mode, {})[stage] = out.get("minutes", 0.0)
+    missing[mode] = [x for x in ("demos", "sft", "eval_before", "rl", "eval_after")
+                     if x not in done]
+    if "eval_before" in done:
+      raw[mode] = {"before": done["eval_before"][s["eval_diff"]],
+                   "after": done.get("eval_after", {}).get(s["eval_diff"])}
+  modes_out = {}
+  for mode, r in raw.items():
+    b, a = r["before"], r["after"]
+    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a and a["success"],
+         "after_ci95": a and a["ci95"], "n": len(b["per_task"])}
+    if mode == "recursive":
+      m["paired"] = a and le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
+      shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
+                for st in ("eval_before", "eval_after")}
+      m["delegating_share"] = {k.replace("eval_", ""): (v or {}).get("delegating_share")
+                               for k, v in shapes.items()}
+      m["held_out_trees"] = shapes
+      m["rl_attempts"] = rl_attempts(root, mode)
+    modes_out[mode] = m
+  result = {"modes": modes_out, "complete": not any(missing.values()), "missing": missing,
+            "stage_minutes": minutes,
+            "minutes": sum(sum(v.values()) for v in minutes.values())}
+  if "recursive" in raw and "single" in raw and raw["single"]["after"]:
+    rec = raw["recursive"]["after"] or raw["recursive"]["before"]
+    sing = raw["single"]["after"]["per_task"]
+    common = sorted(set(rec["per_task"]) & set(sing))
+    result["vs_single"] = {
+        **le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
+                     {t: rec["per_task"][t] for t in common}),
+        "recursive_side": "after RL" if raw["recursive"]["after"] else
+                          "warm start (the RL stage applied no update)"}
+  return result
+
+
+def report_plot(result: dict, root: str, path: str) -> None:
+  """Left: success and delegating share of each RL step's sampled (train) trees, per RL run
+  (set-aside attempts included, labelled by temperature). Right: held-out greedy success, with
+  95% intervals, of every stage that ran (a missing stage has no bar)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  runs = [(f"recursive, T={a['temperature']} (set aside)", a["steps"])
+          for a in result["modes"].get("recursive", {}).get("rl_attempts", [])]
+  for mode in result["modes"]:
+    rl = os.path.join(root, mode, "rl")
+    if os.path.exists(os.path.join(rl, "metrics.jsonl")):
+      runs.append((f"{mode} RL", le.training_summary(rl)))
+  for label, tr in runs:
+    ys = [y for y in tr.get("success", []) if y is not None]
+    line, = ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{label}: success")
+    ds = [y for y in tr.get("delegating_share", []) if y is not None]
+    if ds:
+      ax0.plot(range(1, len(ds) + 1), ds, marker="x", ls="--", color=line.get_color(),
+               label=f"{label}: delegating")
+  ax0.set_xlabel("RL step")
+  ax0.set_ylabel("sampled train trees")
+  ax0.set_ylim(-0.02, 1.02)
+  ax0.legend(fontsize=7, loc="upper right")
+  bars = []
+  for mode, r in result["modes"].items():
+    for stage in ("before", "after"):
+      if r.get(stage) is not None:
+        bars.append((f"{mode}\n{'warm start' if stage == 'before' else 'after RL'}",
+                     r[stage], r.get(f"{stage}_ci95")))
+  caps = result.get("caps_success") or {}
+  for key, label in (("recursive_program", "scripted\nrecursive"),
+                     ("single_program", "scripted\nsingle")):
+    if key in caps:
+      bars.append((label, caps[key], None))
+  for i, (label, y, ci) in enumerate(bars):
+    err = [[y - ci[0]], [ci[1] - y]] if ci else None
+    ax1.bar(i, y, 0.6, yerr=err, capsize=4, color="C0" if ci else "0.7")
+    ax1.text(i, y + 0.03, f"{y:.2f}", ha="center")
+  ax1.set_xticks(range(len(bars)), [b[0] for b in bars])
+  n = next(iter(result["modes"].values()))["n"]
+  ax1.set_ylabel(f"held-out success (SmolLM2: {n} tasks, greedy, 95% CI;\n"
+                 f"grey: scripted policies, {caps.get('tasks', '?')} tasks)")
+  ax1.set_ylim(0, 1.05)
+  fig.suptitle("TextCraft-Synth medium, 8 crafts per agent: SmolLM2-135M, recursive vs single")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def report_trees_page(root: str, modes, path: str, per_kind: int = 4) -> None:
+  """Held-out trees of each mode's evaluations (before and, where it ran, after RL): solved
+  and failed ones side by side."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
+  shown = []
+  for mode in modes:
+    for stage, label in (("eval_before", "warm start"), ("eval_after", "after RL")):
+      f = os.path.join(root, mode, stage, "trees.jsonl")
+      if not os.path.exists(f):
+        continue
+      trees = R.load_trees_jsonl(f)
+      for kind, keep in (("solved", True), ("failed", False)):
+        for t in [t for t in trees if bool(t.root.success) == keep][:per_kind]:
+          t.tree_id = f"[{mode}, {label}, {kind}] {t.tree_id}"
+          shown.append(t)
+  metrics_lib.write_html(shown, path, title="Held-out trees: TextCraft-Synth medium at a craft "
+                         "budget of 8 per agent")
+
+
 def main(argv):
   del argv
   scale = _flag("scale")
-  s = _SCALES[scale]
+  s = dict(_SCALES[scale])
+  if _RL_TEMPERATURE.value is not None:
+    s["rl_temperature"] = _RL_TEMPERATURE.value
+  if _RL_STEPS.value is not None:
+    s["rl_steps"] = _RL_STEPS.value
   root = os.path.abspath(_flag("workdir"))
+  if flags.FLAGS["report_only"].value:
+    result = {"scale": scale, "settings": s, **report_from_disk(s, root, _flag("modes"))}
+    with open(os.path.join(root, "caps", "stage.json")) as f:
+      caps = json.load(f)
+    result["caps"] = caps["result"]["verdict"]
+    result["caps_success"] = {
+        "tasks": caps["result"]["tasks"],
+        **{k: v["success"] for k, v in caps["result"]["policies"].items()},
+        "single_agent_upper_bound": caps["result"]["single_agent_upper_bound"]["success"]}
+    result["minutes"] += caps["minutes"]
+    out = os.path.abspath(_flag("out"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f, indent=2)
+    stem = os.path.splitext(out)[0]
+    report_plot(result, root, stem + ".png")
+    report_trees_page(root, list(result["modes"]), stem + "_trees.html")
+    print(json.dumps({k: result[k] for k in ("complete", "missing", "minutes")}))
+    return
   stages = le._Stages(root)  # pylint: disable=protected-access
   t0 = time.time()
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))

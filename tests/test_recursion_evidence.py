@@ -83,6 +83,44 @@ def test_summary_has_the_issue_shape(tmp_path):
   assert out["vs_single"]["delta"] == pytest.approx(0.6) and out["vs_single"]["n"] == 10
 
 
+def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp_path):
+  """A run whose recursive RL was set aside: `after` stays None, the attempt's step metrics are
+  kept, and vs_single names the warm start as the recursive side."""
+  import json  # pylint: disable=g-import-not-at-top
+  tasks = [f"t{i}" for i in range(10)]
+
+  def stage(mode, name, result):
+    d = tmp_path / mode / name
+    d.mkdir(parents=True)
+    (d / "stage.json").write_text(json.dumps({"minutes": 1.5, "result": result}))
+
+  def ev(k):
+    return {"medium": {"success": k / 10, "ci95": [0.0, 1.0],
+                       "per_task": {t: float(i < k) for i, t in enumerate(tasks)}}}
+  for mode in ("recursive", "single"):
+    stage(mode, "demos", {})
+    stage(mode, "sft", {})
+  stage("recursive", "eval_before", ev(6))
+  stage("single", "eval_before", ev(1))
+  stage("single", "rl", {"step": 4})
+  stage("single", "eval_after", ev(1))
+  aborted = tmp_path / "recursive" / "rl_temperature1.0_aborted"
+  aborted.mkdir()
+  (aborted / "config.json").write_text(json.dumps({"agent": {"temperature": 1.0}}))
+  (aborted / "metrics.jsonl").write_text(json.dumps(
+      {"step": 1, "train/success": 0.0, "train/delegating_share": 0.0}) + "\n")
+  out = rev.report_from_disk(dict(rev._SCALES["cpu"]), str(tmp_path), ["recursive", "single"])
+  assert out["complete"] is False
+  assert out["missing"] == {"recursive": ["rl", "eval_after"], "single": []}
+  rec = out["modes"]["recursive"]
+  assert rec["before"] == 0.6 and rec["after"] is None and rec["paired"] is None
+  (attempt,) = rec["rl_attempts"]
+  assert attempt["temperature"] == 1.0 and attempt["steps"]["success"] == [0.0]
+  assert out["vs_single"]["delta"] == pytest.approx(0.5)
+  assert out["vs_single"]["recursive_side"].startswith("warm start")
+  assert out["minutes"] == pytest.approx(1.5 * 8)
+
+
 @pytest.mark.parametrize("mode", ["recursive", "single"])
 def test_demonstrations_are_successful_trees_at_the_budget(mode):
   import asyncio  # pylint: disable=g-import-not-at-top
