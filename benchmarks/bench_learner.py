@@ -4,8 +4,15 @@ Default (CPU, float32): SmolLM2-135M, packed rows of 1024 tokens from realistic 
 RAO loss (per-node token mean, w_d * A / |M_v|), AdamW + global-norm clipping. Ours: the
 `Learner` step (jitted, micro-batch scan). Peer: transformers' LlamaForCausalLM with the SAME
 weights, the SAME packed rows (block-diagonal causal 4-D mask, per-segment position ids), the
-same loss and optimizer, rows accumulated one at a time exactly like our micro-batches. The
-first step's losses of both are compared (they must agree: same weights, same tokens).
+same loss and optimizer, rows accumulated one at a time exactly like our micro-batches (each
+choice is written at `torch_step`). The first step's losses of both are compared (they must
+agree: same weights, same tokens). The sides alternate in rounds (`--rounds` of `--repeats`
+steady steps each; the first step after a switch is reported apart), so machine drift hits
+both; `ours_spread` is the largest deviation of one of our steady steps from their median.
+`model_gflops` / `share_of_peak_gemm`: model FLOPs of our step per second, 3 x (2 x P x N +
+4 x L x H x h x pairs), P the product parameters (layers and LM head), N the real tokens, pairs
+the (query, key) pairs inside each packed segment (bench_peak.model_flops), over the best float32
+GEMM that benchmarks/bench_peak.py measured on this CPU.
 
 `--mfu` (GPU): model FLOPs utilisation of the learner step for a ~1B Llama configuration at
 sequence 4096 in bfloat16 (float32 master weights). This session had no GPU, so that mode was
@@ -27,6 +34,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peak  # noqa: E402  (this folder's: the machine's measured peak)
 
 
 def log(*a):
@@ -68,26 +77,25 @@ def make_learner(model, batch: dict, lr: float):
   return Learner(cfg, model.cfg, params=model)
 
 
-def bench_ours(learner, batch: dict, repeats: int) -> tuple[float, float]:
-  import jax
-  t0 = time.perf_counter()
-  first = learner.step(batch)
-  log(f"ours: first step (compile + run) {time.perf_counter() - t0:.1f}s, loss {first['loss']:.6f}")
-  times = []
-  for i in range(repeats):
-    t0 = time.perf_counter()
-    m = learner.step(batch)   # returns host floats: the step has finished
-    times.append(time.perf_counter() - t0)
-    log(f"ours: step {i + 1}/{repeats} {times[-1]:.2f}s loss {m['loss']:.6f}")
-  jax.clear_caches()
-  return statistics.median(times), first["loss"]
+def ours_step(learner, batch: dict):
+  """Our learner's step as a callable (its first call compiles)."""
+  def step():
+    return learner.step(batch)["loss"]   # host floats: the step has finished
+  return step
 
 
-def bench_torch(hf_dir: str, batch: dict, repeats: int, lr: float, threads: int
-                ) -> tuple[float, float]:
+def torch_step(hf_dir: str, batch: dict, lr: float):
+  """The same step in transformers + PyTorch, set up as a PyTorch user would.
+
+  Configuration, each choice as its users make it: `from_pretrained` of the exported folder,
+  float32, SDPA attention (transformers' default on CPU) with the 4-D block-diagonal causal mask
+  that packed rows need (each row's own segments; the same mask ours applies), PyTorch's default
+  thread count (one per core: `torch.get_num_threads()` is logged), `torch.optim.AdamW` with the
+  same hyper-parameters and `clip_grad_norm_`, and rows accumulated one at a time (ours runs
+  micro-batches of one row). The log-softmax runs on the float32 logits, as ours.
+  """
   import torch
   from transformers import LlamaForCausalLM
-  torch.set_num_threads(threads)
   model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                            attn_implementation="sdpa")
   model.train()
@@ -116,17 +124,29 @@ def bench_torch(hf_dir: str, batch: dict, repeats: int, lr: float, threads: int
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return total
+  return step
 
-  t0 = time.perf_counter()
-  first = step()
-  log(f"peer: first step {time.perf_counter() - t0:.1f}s, loss {first:.6f}")
-  times = []
-  for i in range(repeats):
-    t0 = time.perf_counter()
-    loss = step()
-    times.append(time.perf_counter() - t0)
-    log(f"peer: step {i + 1}/{repeats} {times[-1]:.2f}s loss {loss:.6f}")
-  return statistics.median(times), first
+
+def alternate(sides: dict, steps: int, rounds: int) -> dict:
+  """Each side runs `steps` steps in a row, then the next side; `rounds` such rounds.
+
+  The first step of a side after a switch is kept apart (`after_switch`): both frameworks share
+  the cores and the memory, so it pays for the other's caches and freed memory. Returns, per
+  side, {"steady": [s, ...], "after_switch": [s, ...]}.
+  """
+  times = {k: {"steady": [], "after_switch": []} for k in sides}
+  for r in range(rounds):
+    for name, fn in sides.items():
+      t0 = time.perf_counter()
+      fn()
+      times[name]["after_switch"].append(time.perf_counter() - t0)
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times[name]["steady"].append(time.perf_counter() - t0)
+      log(f"round {r} {name}: after switch {times[name]['after_switch'][-1]:.2f}s, then "
+          + " ".join(f"{t:.2f}" for t in times[name]["steady"][-steps:]))
+  return times
 
 
 def run_default(args) -> dict:
@@ -142,41 +162,52 @@ def run_default(args) -> dict:
   real = int((batch["segment_ids_BxT"] > 0).sum())
   log(f"throughput batch: {args.rows} rows x {T} = {tokens} tokens ({real} real), "
       f"{int(batch['loss_mask_BxT'].sum())} loss tokens")
+  seg = batch["segment_ids_BxT"]
+  lengths = [int((row == sid).sum()) for row in seg for sid in np.unique(row) if sid > 0]
+  flops = bench_peak.model_flops(model.cfg, real, bench_peak.causal_pairs(lengths), train=True)
   with tempfile.TemporaryDirectory() as hf_dir:
     export_hf(model, model.cfg, None, hf_dir)
     learner = make_learner(model, batch, args.lr)
     del model   # the learner holds its own copy; keep the peak memory down
     gc.collect()
-    ours_s, ours_loss = bench_ours(learner, batch, args.repeats)
-    del learner
-    gc.collect()
-    peer_s, peer_loss = bench_torch(hf_dir, batch, args.repeats, args.lr,
-                                    threads=os.cpu_count() or 1)
-  ours_tps, peer_tps = tokens / ours_s, tokens / peer_s
+    ours, peer = ours_step(learner, batch), torch_step(hf_dir, batch, args.lr)
+    import torch
+    log(f"peer: PyTorch {torch.__version__}, {torch.get_num_threads()} threads")
+    t0 = time.perf_counter()
+    ours_loss = ours()
+    log(f"ours: first step (compile + run) {time.perf_counter() - t0:.1f}s, loss {ours_loss:.6f}")
+    t0 = time.perf_counter()
+    peer_loss = peer()
+    log(f"peer: first step {time.perf_counter() - t0:.1f}s, loss {peer_loss:.6f}")
+    times = alternate({"ours": ours, "peer": peer}, args.repeats, args.rounds)
+  med = {k: statistics.median(v["steady"]) for k, v in times.items()}
+  ours_tps, peer_tps = tokens / med["ours"], tokens / med["peer"]
+  spread = lambda xs, m: max(abs(x / m - 1) for x in xs)  # noqa: E731
   result = {
       "bench": "learner", "model": "smollm2-135m", "dtype": "float32",
       "platform": jax.devices()[0].platform, "rows": args.rows, "row_len": T,
-      "loss": "rao", "repeats": args.repeats,
-      "ours_step_s": ours_s, "peer_step_s": peer_s,
+      "loss": "rao", "steps_per_round": args.repeats, "rounds": args.rounds,
+      "ours_step_s": med["ours"], "peer_step_s": med["peer"],
+      "ours_steps_s": [round(x, 2) for x in times["ours"]["steady"]],
+      "peer_steps_s": [round(x, 2) for x in times["peer"]["steady"]],
+      "ours_spread": round(spread(times["ours"]["steady"], med["ours"]), 3),
+      "peer_spread": round(spread(times["peer"]["steady"], med["peer"]), 3),
+      "ours_after_switch_s": statistics.median(times["ours"]["after_switch"]),
+      "peer_after_switch_s": statistics.median(times["peer"]["after_switch"]),
       "ours_tokens_per_s": ours_tps, "peer_tokens_per_s": peer_tps,
       "ratio": ours_tps / peer_tps,
       "first_loss_ours": ours_loss, "first_loss_peer": peer_loss,
       "first_loss_rel_diff": abs(ours_loss - peer_loss) / max(abs(peer_loss), 1e-12),
+      # Model FLOPs (bench_peak.model_flops: real tokens, attention within each packed segment)
+      # per second of our step, as a share of this machine's best GEMM.
+      **bench_peak.shares(flops_per_s=flops / med["ours"]),
+      "cpu": bench_peak.cpu_model(), "load_avg_1m": round(os.getloadavg()[0], 2),
   }
   result.update(pack)
   result["goals_met"] = {"ratio>=1.0": result["ratio"] >= 1.0,
+                         "ours_spread<=0.10": result["ours_spread"] <= 0.10,
                          "packing_efficiency>=0.95": result["packing_efficiency"] >= 0.95}
   return result
-
-
-def model_flops_per_token(cfg, seq: int) -> float:
-  """Training FLOPs per token: 6 x (matmul parameters) + causal attention (PaLM, halved)."""
-  D, F, L, H, K, h, V = (cfg.d_model, cfg.mlp_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                         cfg.head_dim, cfg.vocab_size)
-  per_layer = D * H * h + 2 * D * K * h + H * h * D + 3 * D * F
-  matmul_params = L * per_layer + V * D   # the LM head (tied or not) is one V x D matmul
-  attention = 12 * L * H * h * seq / 2    # QK^T and AV, forward + backward, causal half
-  return 6 * matmul_params + attention
 
 
 def run_mfu(args) -> dict:
@@ -222,7 +253,7 @@ def run_mfu(args) -> dict:
     times.append(time.perf_counter() - t0)
     log(f"mfu: step {i + 1}/{args.repeats} {times[-1]:.3f}s")
   step_s = statistics.median(times)
-  fpt = model_flops_per_token(cfg, seq)
+  fpt = bench_peak.model_flops(cfg, seq, bench_peak.causal_pairs([seq]), train=True) / seq
   tps = rows * seq / step_s
   mfu = fpt * tps / (args.peak_tflops * 1e12)
   return {"bench": "learner_mfu", "platform": jax.devices()[0].platform,
@@ -240,7 +271,9 @@ def main():
   p.add_argument("--quick", action="store_true", help="1 row, 2 timed steps")
   p.add_argument("--rows", type=int, default=None,
                  help="rows per step (default 2 rows of 1024; --mfu: 8 rows of --seq)")
-  p.add_argument("--repeats", type=int, default=3, help="timed steps (median reported)")
+  p.add_argument("--repeats", type=int, default=2,
+                 help="timed steady steps per side per round (median over all reported)")
+  p.add_argument("--rounds", type=int, default=2, help="alternating rounds (ours, then peer)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--mfu", action="store_true", help="MFU of a ~1B config (GPU)")
   p.add_argument("--mfu_smoke", action="store_true", help="with --mfu: tiny config, for CPU")
@@ -253,7 +286,7 @@ def main():
   if args.rows is None:
     args.rows = 8 if args.mfu else 2
   if args.quick:
-    args.rows, args.repeats = (args.micro_rows if args.mfu else 1), 2
+    args.rows, args.repeats, args.rounds = (args.micro_rows if args.mfu else 1), 2, 1
   if args.mfu:
     result = run_mfu(args)
   else:

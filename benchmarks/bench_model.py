@@ -2,9 +2,11 @@
 
 Both run float32 on CPU over the same weights and the same batch (default 4 x 512 tokens):
 ours is one jitted ``value_and_grad`` step over ``token_logprob_sum`` (what the learner runs
-for the NLL and the RAO loss); the peer is transformers' LlamaForCausalLM on PyTorch
-(``loss.backward()``). Both run in this one process, so both get the malloc configuration that
-``import rao_jax`` applies (``host_malloc_reuse``; it speeds the peer up as well). The two run
+for the NLL and the RAO loss); the peer is what a transformers user writes:
+``LlamaForCausalLM.from_pretrained`` of the same weights (float32, default SDPA attention,
+PyTorch's default threads) and ``model(input_ids, labels=input_ids).loss.backward()``. Both run
+in this one process, so both get the malloc configuration that ``host_memory.keep_freed_memory``
+applies (it speeds the peer up as well). The two run
 in alternating rounds (so machine drift hits both); each round runs one side ``--steps`` times
 in a row, then the other. The first step of a side
 after a switch is reported apart (``*_after_switch_s``): measured here, our step right after a
@@ -15,7 +17,10 @@ says which kernels ran our float32 products and attention (``mkl`` or ``xla``:
 rao_jax/kernels/mkl.py; ``--kernels=xla`` times XLA's own), ``cpu`` the
 CPU model they were chosen for. ``*_faults_max``: the most page faults one steady step took;
 a step that maps its memory afresh pays 0.2-0.6M of them and seconds (see
-rao_jax/host_memory.py), so a high count explains an outlier. Progress goes to stderr; the last
+rao_jax/host_memory.py), so a high count explains an outlier. ``model_gflops`` and
+``share_of_peak_gemm``: model FLOPs of our step per second, 3 x (2 x P x B x T + 4 x L x H x h x
+B x T (T + 1) / 2) with P the product parameters (layers and LM head; bench_peak.model_flops),
+over the best float32 GEMM that bench_peak.py measured on this CPU. Progress goes to stderr; the last
 stdout line is JSON.
 
     python benchmarks/bench_model.py [--quick] [--batch 4] [--seq 512] [--steps 5]
@@ -23,17 +28,23 @@ stdout line is JSON.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peak  # noqa: E402  (this folder's: the machine's measured peak)
 
 
 def log(*a):
@@ -62,40 +73,32 @@ def make_ours(model, tokens_BxT, forward_only=False):
   return step
 
 
-def build_peer(model):
-  """transformers' LlamaForCausalLM (SDPA attention, float32, train mode) with our weights."""
+def build_peer(model, hf_dir: str):
+  """The peer as a PyTorch user sets it up: `from_pretrained` of our weights exported as an HF
+  folder, float32, transformers' default attention on CPU (SDPA), train mode, PyTorch's default
+  threads (one per core; logged)."""
   import torch
-  from transformers import LlamaConfig, LlamaForCausalLM
-  from rao_jax.model.weights import hf_state_dict
-  torch.manual_seed(0)
-  hf_cfg = LlamaConfig(**{k: v for k, v in model.cfg.to_hf_config().items()
-                          if k not in ("architectures", "model_type", "torch_dtype")})
-  hf_cfg._attn_implementation = "sdpa"
-  peer = LlamaForCausalLM(hf_cfg)
-  sd = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in hf_state_dict(model).items()}
-  missing, unexpected = peer.load_state_dict(sd, strict=False)
-  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-  peer.tie_weights()
+  from transformers import LlamaForCausalLM
+  from rao_jax.model.weights import export_hf
+  export_hf(model, model.cfg, None, hf_dir)
+  peer = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
   # Dropout is 0 in this config; train() only matters for parity of code paths.
-  return peer.float().train()
+  return peer.train()
 
 
-def make_peer(model, tokens_BxT, forward_only=False):
+def make_peer(model, tokens_BxT, hf_dir: str, forward_only=False):
+  """The user's step: `model(input_ids, labels=input_ids).loss.backward()` (transformers shifts
+  the labels and takes the mean token cross-entropy in float32: the same loss as ours)."""
   import torch
-  peer = build_peer(model)
+  peer = build_peer(model, hf_dir)
   tokens = torch.from_numpy(np.asarray(tokens_BxT, np.int64))
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
   def step():
     if forward_only:
       with torch.no_grad():
-        logits = peer(input_ids=inputs, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 targets.reshape(-1)).item()
+        return peer(input_ids=tokens, labels=tokens, use_cache=False).loss.item()
     peer.zero_grad(set_to_none=True)
-    logits = peer(input_ids=inputs, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             targets.reshape(-1))
+    loss = peer(input_ids=tokens, labels=tokens, use_cache=False).loss
     loss.backward()
     return loss.item()
   return step
@@ -150,7 +153,9 @@ def main():
   log(f"loaded SmolLM2-135M in {time.time() - t0:.1f}s")
   tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size,
                                              (args.batch, args.seq + 1))
-  ours, peer = make_ours(model, tokens), make_peer(model, tokens)
+  hf_dir = tempfile.mkdtemp(prefix="bench_model_hf_")
+  atexit.register(shutil.rmtree, hf_dir, ignore_errors=True)
+  ours, peer = make_ours(model, tokens), make_peer(model, tokens, hf_dir)
   t0 = time.time()
   loss_ours = float(ours()[0])
   log(f"ours: compiled + first step in {time.time() - t0:.1f}s, loss {loss_ours:.4f}")
@@ -172,7 +177,7 @@ def main():
           + f" ({' '.join(str(f) for f in flt[name][-args.steps:])} page faults)")
   result = {}
   if args.forward:
-    f_ours, f_peer = make_ours(model, tokens, True), make_peer(model, tokens, True)
+    f_ours, f_peer = make_ours(model, tokens, True), make_peer(model, tokens, hf_dir, True)
     f_ours(), f_peer()
     fo, fp = [], []
     for fn, times in ((f_ours, fo), (f_peer, fp)):   # one block each; its first step dropped
@@ -182,6 +187,11 @@ def main():
                   ours_bwd_over_fwd=statistics.median(t_ours) / statistics.median(fo) - 1,
                   peer_bwd_over_fwd=statistics.median(t_peer) / statistics.median(fp) - 1)
   n_tok = args.batch * args.seq
+  # Model FLOPs of the step (bench_peak.model_flops: forward + backward over the batch's
+  # B x T predicted tokens, causal attention) per second of ours, as a share of the machine's
+  # best GEMM (bench_peak.py).
+  flops = bench_peak.model_flops(model.cfg, n_tok, bench_peak.causal_pairs([args.seq] * args.batch),
+                                 train=True)
   ours_tps = n_tok / statistics.median(t_ours)
   peer_tps = n_tok / statistics.median(t_peer)
   result = {"benchmark": "model_fwd_bwd_smollm2_135m_f32", "batch": args.batch,
@@ -194,7 +204,12 @@ def main():
             "loss_ours": loss_ours, "loss_peer": loss_peer,
             "ours_faults_max": max(flt["ours"]), "peer_faults_max": max(flt["peer"]),
             "host_malloc_reuse": host_memory.in_effect(),
-            "cpu_kernels": mkl.backend(args.kernels), "cpu": mkl.cpuinfo("model name"), **result}
+            "cpu_kernels": mkl.backend(args.kernels), "cpu": mkl.cpuinfo("model name"),
+            "peer_threads": torch.get_num_threads(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            **bench_peak.shares(flops_per_s=flops / statistics.median(t_ours)),
+            "peer_share_of_peak_gemm": bench_peak.shares(
+                flops_per_s=flops / statistics.median(t_peer)).get("share_of_peak_gemm"),
+            **result}
   print(json.dumps(result))
 
 
