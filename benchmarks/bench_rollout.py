@@ -7,7 +7,13 @@
    to an HF folder) in the same run. Each side is timed generating 1 token (prefill) and 64
    tokens; decode tokens/s = B * 63 / (t64 - t1) -> ratio_b1, ratio_b8, ratio_b32. The
    end-to-end figures (prefill included, B * 64 / t64) are reported too: e2e_ratio_b*. At
-   batch 32 the 8K-token prefill is most of the end-to-end time on both sides.
+   batch 32 the 8K-token prefill is most of the end-to-end time on both sides. The sides
+   alternate in rounds; the peer is set up as its users do (`torch_round`).
+   `share_of_peak_bandwidth_b*`: the bytes a decode step must read (every product weight once,
+   float32, plus each row's K and V over its mean context: bench_peak.decode_step_bytes) times
+   steps/s, over the best memory bandwidth bench_peak.py measured on this CPU;
+   `share_of_peak_gemm_b*`: forward model FLOPs (bench_peak.model_flops) per second over its
+   best GEMM. Decode is bandwidth-bound at small batches, compute-bound as the batch grows.
 2. Multi-turn agents: 8 agents x 6 turns, 64 generated + 64-token observation per turn, with
    sessions (KV kept between turns) vs without (every turn re-prefills the history) ->
    session_speedup.
@@ -27,6 +33,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peak  # noqa: E402  (this folder's: the machine's measured peak)
+
 PROMPT, NEW = 256, 64
 
 
@@ -35,12 +44,16 @@ def say(*a):
 
 
 def _rates(B, t1, t64):
-  """(decode tokens/s, end-to-end tokens/s) from median times for 1 and NEW new tokens."""
+  """(decode tokens/s, end-to-end tokens/s) from median times for 1 and NEW new tokens.
+
+  Decode is None where the 64-token run was not slower than the 1-token one (a timing that
+  cannot be split into prefill and decode; never divided by a near-zero difference)."""
   t1, t64 = statistics.median(t1), statistics.median(t64)
-  return B * (NEW - 1) / max(t64 - t1, 1e-9), B * NEW / t64
+  return (B * (NEW - 1) / (t64 - t1) if t64 > t1 else None), B * NEW / t64
 
 
-def engine_throughput(engine, prompts, repeats):
+def engine_round(engine, prompts):
+  """One timing round of the engine: (seconds for 1 new token, seconds for NEW), greedy."""
   from rao_jax.rollout import GenerateRequest, SamplingParams
 
   async def once(n):
@@ -50,30 +63,38 @@ def engine_throughput(engine, prompts, repeats):
     dt = time.perf_counter() - t0
     assert all(len(r.token_ids) == n for r in res), [r.finish_reason for r in res]
     return dt
-  asyncio.run(once(NEW))    # compiles this batch's shapes
-  t1, t64 = [], []
-  for _ in range(repeats):   # interleaved, so load drift hits both alike
-    t1.append(asyncio.run(once(1)))
-    t64.append(asyncio.run(once(NEW)))
-  return _rates(len(prompts), t1, t64)
+
+  def one_round():
+    # Every timed call prefills its whole prompt, as generate() does: the prefixes that the
+    # previous call left in the engine are dropped first.
+    engine.flush_cache()
+    t1 = asyncio.run(once(1))
+    engine.flush_cache()
+    return t1, asyncio.run(once(NEW))
+  one_round()               # compiles this batch's shapes (prefill, decode, a 1-token request)
+  return one_round
 
 
-def torch_throughput(hf_model, prompts, repeats):
+def torch_round(hf_model, prompts):
+  """One timing round of the peer, set up as a transformers user would: `generate()` on the
+  `from_pretrained` model in eval mode under `torch.inference_mode()`, greedy, the prompts as
+  one unpadded batch, the default (dynamic) KV cache and PyTorch's default threads."""
   import torch
   x = torch.tensor(prompts, dtype=torch.long)
   mask = torch.ones_like(x)
-  t1, t64 = [], []
-  with torch.inference_mode():
-    hf_model.generate(x[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
-                      pad_token_id=0)
-    for _ in range(repeats):
-      for n, times in ((1, t1), (NEW, t64)):
-        t0 = time.perf_counter()
-        out = hf_model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=0)
-        times.append(time.perf_counter() - t0)
-        assert out.shape[1] == PROMPT + n
-  return _rates(len(prompts), t1, t64)
+
+  def gen(n):
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+      out = hf_model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+    assert out.shape[1] == PROMPT + n
+    return time.perf_counter() - t0
+
+  def one_round():
+    return gen(1), gen(NEW)
+  gen(2)                    # first-call set-up, untimed
+  return one_round
 
 
 def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=64, seed=0):
@@ -117,7 +138,7 @@ def main():
   args = ap.parse_args()
   repeats = 1 if args.quick else 3
   import torch
-  torch.set_num_threads(os.cpu_count() or 1)
+  say(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads (its default)")
   from rao_jax.model import load_pretrained
   from rao_jax.model.weights import export_hf
   from rao_jax.rollout.embedded import EmbeddedEngine
@@ -137,15 +158,31 @@ def main():
     prompts = [list(map(int, rng.integers(3, 49000, PROMPT))) for _ in range(b)]
     t0 = time.perf_counter()
     reps = repeats if b < 32 else max(1, repeats - 1)
-    jx, jx_e2e = engine_throughput(engine, prompts, reps)
-    say(f"b={b}: embedded decode {jx:.1f} tok/s, end-to-end {jx_e2e:.1f} tok/s "
-        f"({time.perf_counter() - t0:.0f} s incl. compile)")
-    pt, pt_e2e = torch_throughput(hf, prompts, reps)
-    say(f"b={b}: torch generate decode {pt:.1f} tok/s, end-to-end {pt_e2e:.1f} tok/s")
-    out[f"embedded_tok_s_b{b}"] = round(jx, 2)
-    out[f"torch_tok_s_b{b}"] = round(pt, 2)
-    out[f"ratio_b{b}"] = round(jx / pt, 3)
+    sides = {"embedded": engine_round(engine, prompts), "torch": torch_round(hf, prompts)}
+    say(f"b={b}: both sides warm ({time.perf_counter() - t0:.0f} s incl. compile)")
+    times = {k: ([], []) for k in sides}
+    for _ in range(reps):    # alternating rounds: machine drift hits both sides alike
+      for k, fn in sides.items():
+        t1, t64 = fn()
+        times[k][0].append(t1)
+        times[k][1].append(t64)
+    jx, jx_e2e = _rates(b, *times["embedded"])
+    pt, pt_e2e = _rates(b, *times["torch"])
+    say(f"b={b}: embedded decode {jx} tok/s, end-to-end {jx_e2e:.1f} tok/s")
+    say(f"b={b}: torch generate decode {pt} tok/s, end-to-end {pt_e2e:.1f} tok/s")
+    out[f"embedded_tok_s_b{b}"] = jx and round(jx, 2)
+    out[f"torch_tok_s_b{b}"] = pt and round(pt, 2)
+    out[f"ratio_b{b}"] = round(jx / pt, 3) if jx and pt else None
     out[f"e2e_ratio_b{b}"] = round(jx_e2e / pt_e2e, 3)
+    if jx:
+      # A decode step reads every product weight once and each row's K/V over its context
+      # (256-319 tokens, mean PROMPT + NEW / 2): bench_peak.decode_step_bytes, float32.
+      step_bytes = bench_peak.decode_step_bytes(model.cfg, [PROMPT + NEW // 2] * b)
+      sh = bench_peak.shares(flops_per_s=bench_peak.model_flops(
+          model.cfg, b, b * (PROMPT + NEW // 2), train=False) * jx / b,
+          bytes_per_s=step_bytes * jx / b)
+      out[f"share_of_peak_bandwidth_b{b}"] = sh.get("share_of_peak_bandwidth")
+      out[f"share_of_peak_gemm_b{b}"] = sh.get("share_of_peak_gemm")
   del engine
 
   times = {}
@@ -160,6 +197,10 @@ def main():
     out["multi_turn_s_no_sessions"] = round(times[False], 2)
     out["multi_turn_s_sessions"] = round(times[True], 2)
     out["session_speedup"] = round(times[False] / times[True], 3)
+  out.update(cpu=bench_peak.cpu_model(), load_avg_1m=round(os.getloadavg()[0], 2),
+             peak=(bench_peak.load_peak() or {}).get("peak_gbps") and {
+                 "gflops": bench_peak.load_peak()["peak_gflops"],
+                 "gbps": bench_peak.load_peak()["peak_gbps"]})
   print(json.dumps(out))
 
 
