@@ -197,10 +197,9 @@ def main():
     out["multi_turn_s_no_sessions"] = round(times[False], 2)
     out["multi_turn_s_sessions"] = round(times[True], 2)
     out["session_speedup"] = round(times[False] / times[True], 3)
+  peak = bench_peak.load_peak()
   out.update(cpu=bench_peak.cpu_model(), load_avg_1m=round(os.getloadavg()[0], 2),
-             peak=(bench_peak.load_peak() or {}).get("peak_gbps") and {
-                 "gflops": bench_peak.load_peak()["peak_gflops"],
-                 "gbps": bench_peak.load_peak()["peak_gbps"]})
+             peak=peak and {"gflops": peak["peak_gflops"], "gbps": peak["peak_gbps"]})
   print(json.dumps(out))
 
 

@@ -348,16 +348,17 @@ def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
 def summarize(raw: dict, root: str) -> dict:
   """The result's `modes` and `vs_single` from each mode's held-out evaluations.
 
-  raw: {mode: {"before": eval result, "after": eval result}} where an eval result has
-    `success`, `ci95` and `per_task` ({task_id: success}).
+  raw: {mode: {"before": eval result, "after": eval result or None (not run)}} where an eval
+    result has `success`, `ci95` and `per_task` ({task_id: success}). Where the recursive
+    `after` is None, `vs_single` compares its warm start and says so (`recursive_side`).
   """
   modes = {}
   for mode, r in raw.items():
     b, a = r["before"], r["after"]
-    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a["success"],
-         "after_ci95": a["ci95"], "n": len(a["per_task"])}
+    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a and a["success"],
+         "after_ci95": a and a["ci95"], "n": len(b["per_task"])}
     if mode == "recursive":
-      m["paired"] = le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
+      m["paired"] = a and le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
       shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
                 for st in ("eval_before", "eval_after")}
       m["delegating_share"] = {
@@ -366,12 +367,16 @@ def summarize(raw: dict, root: str) -> dict:
       m["held_out_trees"] = shapes
     modes[mode] = m
   out = {"modes": modes}
-  if "recursive" in raw and "single" in raw:
-    rec, sing = raw["recursive"]["after"]["per_task"], raw["single"]["after"]["per_task"]
-    common = sorted(set(rec) & set(sing))
+  if "recursive" in raw and (raw.get("single") or {}).get("after"):
+    rec = raw["recursive"]["after"] or raw["recursive"]["before"]
+    sing = raw["single"]["after"]["per_task"]
+    common = sorted(set(rec["per_task"]) & set(sing))
     # Same held-out tasks, two policies: recursive minus single, paired per task.
-    out["vs_single"] = le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
-                                  {t: rec[t] for t in common})
+    out["vs_single"] = {
+        **le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
+                      {t: rec["per_task"][t] for t in common}),
+        "recursive_side": "after RL" if raw["recursive"]["after"] else
+                          "warm start (the RL stage applied no update)"}
   return out
 
 
@@ -417,32 +422,11 @@ def report_from_disk(s: dict, root: str, modes) -> dict:
     if "eval_before" in done:
       raw[mode] = {"before": done["eval_before"][s["eval_diff"]],
                    "after": done.get("eval_after", {}).get(s["eval_diff"])}
-  modes_out = {}
-  for mode, r in raw.items():
-    b, a = r["before"], r["after"]
-    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a and a["success"],
-         "after_ci95": a and a["ci95"], "n": len(b["per_task"])}
-    if mode == "recursive":
-      m["paired"] = a and le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
-      shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
-                for st in ("eval_before", "eval_after")}
-      m["delegating_share"] = {k.replace("eval_", ""): (v or {}).get("delegating_share")
-                               for k, v in shapes.items()}
-      m["held_out_trees"] = shapes
-      m["rl_attempts"] = rl_attempts(root, mode)
-    modes_out[mode] = m
-  result = {"modes": modes_out, "complete": not any(missing.values()), "missing": missing,
+  result = {**summarize(raw, root), "complete": not any(missing.values()), "missing": missing,
             "stage_minutes": minutes,
             "minutes": sum(sum(v.values()) for v in minutes.values())}
-  if "recursive" in raw and "single" in raw and raw["single"]["after"]:
-    rec = raw["recursive"]["after"] or raw["recursive"]["before"]
-    sing = raw["single"]["after"]["per_task"]
-    common = sorted(set(rec["per_task"]) & set(sing))
-    result["vs_single"] = {
-        **le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
-                     {t: rec["per_task"][t] for t in common}),
-        "recursive_side": "after RL" if raw["recursive"]["after"] else
-                          "warm start (the RL stage applied no update)"}
+  if "recursive" in result["modes"]:
+    result["modes"]["recursive"]["rl_attempts"] = rl_attempts(root, "recursive")
   return result
 
 
