@@ -640,6 +640,40 @@ def test_code_does_not_run_between_cells():
   assert res.output == "0\n", res.observation
 
 
+def _thread_states(pid):
+  states = []
+  for tid in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+      stat = f.read()
+    states.append(stat[stat.rfind(b")") + 2:][:1].decode())
+  return states
+
+
+def test_every_thread_is_stopped_when_a_cell_returns():
+  """SIGSTOP stops a process's threads one after another (the thread the kernel wakes must be
+  scheduled to stop the rest): under load a spinning thread ran on for tens of milliseconds
+  after the cell had returned. The host hands a result back only once all are stopped."""
+  async def main():
+    pool = SandboxPool(CFG, size=1)
+    await pool.start()
+    try:
+      sb = await pool.acquire()
+      await sb.run_cell("import threading\ndef spin():\n  while True:\n    sum(range(1000))\n"
+                        "for _ in range(4):\n  threading.Thread(target=spin, daemon=True).start()")
+      seen = []
+      for i in range(40):
+        await sb.run_cell(f"x = {i}")
+        seen.append(_thread_states(sb._proc.repl_pid))  # pylint: disable=protected-access
+      return seen
+    finally:
+      await pool.close()
+
+  seen = asyncio.run(main())
+  assert all(len(states) >= 5 for states in seen), seen
+  running = [states for states in seen if set(states) - {"T", "t"}]
+  assert not running, f"{len(running)} of 40 cells returned with threads still runnable: {running}"
+
+
 def test_cpu_budget_is_a_limit_the_agent_cannot_raise():
   """Class 3: RLIMIT_CPU bounds the CPU of a sandbox's whole life (tool waits included)."""
   cfg = SandboxConfig(isolation="bwrap", cpu_time_s=300)

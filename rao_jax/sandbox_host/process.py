@@ -37,6 +37,8 @@ from rao_jax.sandbox_host.guest import wire
 log = logging.getLogger(__name__)
 
 _STDERR_KEEP = 8192
+# How long the REPL's threads may take to stop between cells before it counts as broken.
+_STOP_WAIT_S = 5.0
 # After SIGKILL: how long the exit may take before the stderr pipe is closed from our side,
 # then how long before kill() gives up on the process (only a process stuck in the kernel).
 _EXIT_GRACE_S = 2.0
@@ -372,7 +374,7 @@ class ReplProcess:
         self._signal_repl(signal.SIGCONT)
         self._stopped = False
       await self._send(msg)
-      return await self._waiter
+      reply = await self._waiter
     finally:
       if self.alive and self._pidfd is not None and self.stop_between_requests:
         # Nothing runs in the sandbox until the next request (see the module docstring).
@@ -390,6 +392,30 @@ class ReplProcess:
         t.cancel()
       self._tool_tasks.clear()
       self._tool_bytes.clear()
+    if self._stopped:
+      await self._until_stopped()
+    return reply
+
+  async def _until_stopped(self) -> None:
+    """Returns once every thread of the REPL is stopped; a REPL that does not stop dies.
+
+    SIGSTOP is only the start: the kernel wakes one thread, and that thread, once scheduled,
+    stops the others. On a loaded machine that took tens of milliseconds, during which a
+    thread the agent left behind still ran; so the cell's result is handed back only after
+    the kernel reports every thread stopped.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _STOP_WAIT_S
+    delay = 0.0002
+    while not _threads_stopped(self.repl_pid):
+      if loop.time() > deadline:
+        reason = (f"the REPL (pid {self.repl_pid}) was still running {_STOP_WAIT_S:g} s after "
+                  f"the host stopped it between cells ({_proc_state(self.repl_pid)})")
+        self._signal_repl(signal.SIGKILL)
+        self._mark_dead(reason)
+        raise SandboxDied(reason)
+      await asyncio.sleep(delay)
+      delay = min(2 * delay, 0.01)
 
   def _signal_repl(self, sig: int) -> None:
     if self._pidfd is None:
@@ -662,6 +688,24 @@ def _pipe_holders(proc: asyncio.subprocess.Process) -> list[int]:
     except OSError:
       continue
   return pids
+
+
+def _threads_stopped(pid: int) -> bool:
+  """Whether no thread of process `pid` can run (stopped, traced or dead; or it is gone)."""
+  try:
+    tids = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return True  # gone: the read loop reports how
+  for tid in tids:
+    try:
+      with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+        stat = f.read()
+    except OSError:
+      continue  # this thread just exited
+    # The state follows the command name, which may itself hold ') '.
+    if stat[stat.rfind(b")") + 2:][:1] not in (b"T", b"t", b"Z", b"X"):
+      return False
+  return True
 
 
 def _proc_state(pid: int) -> str:
