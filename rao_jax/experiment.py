@@ -164,6 +164,15 @@ def make_mesh(spec: str):
   return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])
 
 
+def _mesh_rows(spec: str) -> int:
+  """How many devices hold different rows of a micro-batch (data x fsdp) under mesh `spec`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if spec == "auto":
+    return jax.device_count()
+  mesh = make_mesh(spec)
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def _row_len(config) -> int:
   row = int(config.learner.row_len) or int(config.agent.context_window)
   if row < int(config.agent.context_window):
@@ -176,8 +185,7 @@ def _row_len(config) -> int:
 
 def learner_config(config, workdir: str, *, sft: bool = False):
   from rao_jax.learner import LearnerConfig  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  mesh_rows = jax.device_count() if config.learner.mesh == "auto" else 1
+  mesh_rows = _mesh_rows(config.learner.mesh)
   micro = max(int(config.learner.micro_batch_rows), 1)
   micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
   # Row-count buckets ~1.5x apart: little padding, and each compiles once per run.

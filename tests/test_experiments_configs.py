@@ -100,6 +100,20 @@ def test_bad_names_give_clear_errors():
     X.make_mesh("data=two")
 
 
+def test_micro_batches_hold_whole_rows_on_every_device_of_an_explicit_mesh(tmp_path):
+  import jax
+  c = textcraft_synth.get_config("recursive,smoke")
+  c.learner.micro_batch_rows = 1
+  c.learner.bucket_rows = (1, 3)
+  c.learner.mesh = "data=2,fsdp=2,tensor=2"
+  lcfg = X.learner_config(c, str(tmp_path))
+  assert lcfg.micro_batch_rows == 4 and lcfg.bucket_rows == (4,)
+  c.learner.mesh = "tensor=2"
+  assert X.learner_config(c, str(tmp_path)).micro_batch_rows == 1
+  c.learner.mesh = "auto"
+  assert X.learner_config(c, str(tmp_path)).micro_batch_rows == jax.device_count()
+
+
 def test_train_tasks_are_a_pure_function_of_seed_and_step():
   c = textcraft_synth.get_config("recursive,smoke")
   env = X.make_env(c)
