@@ -330,6 +330,27 @@ def test_sampler_distribution_and_filters():
   assert np.array_equal(np.asarray(t1), np.roll(np.asarray(tok), -5))
 
 
+def test_a_sampled_token_is_never_one_the_distribution_rules_out():
+  # One token holds all the mass; the others sit 60 nats below (at temperature 0.2 that is
+  # 300 nats: e^-300). 4096 rows x a SmolLM2-sized vocabulary is 2e8 noise draws: when the
+  # uniform behind the Gumbel noise could round to exactly 1.0 (1 draw in 2^24), about 12 of
+  # them were +inf and drew a token at random, which put garbage words into sampled programs.
+  V, n = 49152, 512
+  sample = jax.jit(sampling.sample)
+  logits = jnp.full((n, V), -60.0).at[:, 7].set(0.0)
+  temp = jnp.full(n, 0.2, jnp.float32)
+  ones = jnp.ones(n, jnp.float32)
+  wrong = 0
+  for chunk in range(8):
+    seeds = jnp.arange(chunk * n, (chunk + 1) * n, dtype=jnp.uint32)
+    tok, _ = sample(logits, temp, ones, -jnp.ones(n, jnp.int32), seeds,
+                    jnp.full(n, 11, jnp.int32))
+    wrong += int(np.sum(np.asarray(tok) != 7))
+  assert wrong == 0, f"{wrong} of {8 * n} draws took a token of probability e^-300"
+  noise = sampling.gumbel_noise(jnp.arange(64, dtype=jnp.uint32), jnp.zeros(64, jnp.int32), V)
+  assert bool(jnp.all(jnp.isfinite(noise)))
+
+
 @pytest.mark.slow
 def test_real_smollm2_greedy_matches_plain_model():
   from rao_jax.model import load_pretrained

@@ -30,8 +30,11 @@ def gumbel_noise(seeds_B, positions_B, V: int):
                  + _mix32(positions_B.astype(jnp.uint32) + jnp.uint32(0x632BE5AB)))
   idx_V = jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(0x85EBCA77)
   bits_BxV = _mix32(_mix32(row_B[:, None] ^ idx_V[None, :]) + row_B[:, None])
-  # 24 high bits -> a uniform strictly inside (0, 1).
-  u_BxV = ((bits_BxV >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+  # 23 high bits -> a uniform strictly inside (0, 1): (k + 0.5) / 2^23 is exact in float32 for
+  # every k < 2^23. With 24 bits, (2^24 - 1) + 0.5 rounded to 2^24, u to 1.0 and the noise to
+  # +inf: one token in 2^24 won whatever its probability (a garbage word every ~3 steps at a
+  # 49k vocabulary).
+  u_BxV = ((bits_BxV >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
   return -jnp.log(-jnp.log(u_BxV))
 
 
