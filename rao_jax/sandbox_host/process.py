@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from rao_jax.sandbox_host import jail
+from rao_jax.sandbox_host import procfs
 from rao_jax.sandbox_host.config import SandboxConfig
 from rao_jax.sandbox_host.guest import wire
 
@@ -302,7 +303,7 @@ class ReplProcess:
       return
     # No holder at all is the common case here: the event loop was held up by other work and
     # has not yet read the pipe's end; closing our end below settles it without a word.
-    holders = _pipe_holders(proc) if proc.returncode is not None else []
+    holders = procfs.pipe_holders(_stderr_inode(proc)) if proc.returncode is not None else []
     if holders:
       # Only the sandbox's own descendants can hold that pipe: one that escaped the process
       # group and outlived the sandbox must not survive it.
@@ -323,7 +324,7 @@ class ReplProcess:
     if not done:
       waited.cancel()
       log.error("sandbox %d did not exit within %g s of SIGKILL (state %s); giving up on it",
-                self.pid, _EXIT_GRACE_S + _EXIT_WAIT_S, _proc_state(self.pid))
+                self.pid, _EXIT_GRACE_S + _EXIT_WAIT_S, procfs.state(self.pid))
 
   def _remove_tmpdir(self):
     if self._tmpdir:
@@ -407,10 +408,10 @@ class ReplProcess:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _STOP_WAIT_S
     delay = 0.0002
-    while not _threads_stopped(self.repl_pid):
+    while not procfs.threads_stopped(self.repl_pid):
       if loop.time() > deadline:
         reason = (f"the REPL (pid {self.repl_pid}) was still running {_STOP_WAIT_S:g} s after "
-                  f"the host stopped it between cells ({_proc_state(self.repl_pid)})")
+                  f"the host stopped it between cells ({procfs.state(self.repl_pid)})")
         self._signal_repl(signal.SIGKILL)
         self._mark_dead(reason)
         raise SandboxDied(reason)
@@ -666,52 +667,10 @@ def _warn_process_mode() -> None:
         "network and pid namespaces; use isolation='bwrap' wherever bubblewrap is installed")
 
 
-def _pipe_holders(proc: asyncio.subprocess.Process) -> list[int]:
-  """Pids other than ours that hold the process's stderr pipe open (a /proc scan: slow path
-  only, after the process itself has gone)."""
+def _stderr_inode(proc: asyncio.subprocess.Process) -> int | None:
   try:
     transport = proc._transport  # pylint: disable=protected-access
     pipe = transport.get_pipe_transport(2).get_extra_info("pipe")
-    ino = os.fstat(pipe.fileno()).st_ino
+    return os.fstat(pipe.fileno()).st_ino
   except (AttributeError, OSError, ValueError):
-    return []
-  target = f"pipe:[{ino}]"
-  mine = os.getpid()
-  pids = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit() or int(entry) == mine:
-      continue
-    try:
-      fds = os.listdir(f"/proc/{entry}/fd")
-      if any(os.readlink(f"/proc/{entry}/fd/{fd}") == target for fd in fds):
-        pids.append(int(entry))
-    except OSError:
-      continue
-  return pids
-
-
-def _threads_stopped(pid: int) -> bool:
-  """Whether no thread of process `pid` can run (stopped, traced or dead; or it is gone)."""
-  try:
-    tids = os.listdir(f"/proc/{pid}/task")
-  except OSError:
-    return True  # gone: the read loop reports how
-  for tid in tids:
-    try:
-      with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-        stat = f.read()
-    except OSError:
-      continue  # this thread just exited
-    # The state follows the command name, which may itself hold ') '.
-    if stat[stat.rfind(b")") + 2:][:1] not in (b"T", b"t", b"Z", b"X"):
-      return False
-  return True
-
-
-def _proc_state(pid: int) -> str:
-  try:
-    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")),
-                  "unknown")
-  except OSError:
-    return "gone"
+    return None
