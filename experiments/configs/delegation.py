@@ -43,6 +43,9 @@ def get_config(arg: str | None = None):
   c.optim.lr = 2e-3                     # as the micro-run (a 2-layer D=64 model)
   c.optim.warmup_steps = 2
   c.learner.micro_batch_rows = 12
+  # One device: on a machine with several (or the test suite's eight fake CPU devices), "auto"
+  # would pad every micro-batch of a 2-layer D=64 model to the device count for nothing.
+  c.learner.mesh = "data=1"
   c.learner.bucket_rows = (36,)         # one row per node: up to 12 roots + 24 helpers; one
                                         # bucket, one compilation
   c.rollout.num_slots = 36              # every node of a step's 12 trees at once
