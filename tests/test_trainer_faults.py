@@ -94,6 +94,34 @@ def test_infra_failure_is_retried_once_then_left_out_of_the_group():
   assert all("excluded" in t.meta for t in every)
 
 
+def test_a_long_rollout_reports_its_finished_trees_while_it_runs(caplog):
+  # Trees 0 and 1 finish at once; tree 2 takes 0.5 s.
+  def fn(session, turn):
+    return code("finish('done')")
+
+  class Slow(Scripted):
+    async def generate(self, request):
+      if request.session_id.split("/")[-2] == "2":
+        await asyncio.sleep(0.5)
+      return await super().generate(request)
+
+  async def main():
+    progress = tr.RolloutProgress(runner(Slow(fn), max_steps_per_agent=1), 7, 3, every_s=0.2)
+    reporter = asyncio.ensure_future(progress.report())
+    try:
+      return await tr.collect_group(progress, task(), 3), progress
+    finally:
+      reporter.cancel()
+
+  with caplog.at_level("INFO", logger="rao_jax.trainer"):
+    (trees, _, _), progress = asyncio.run(main())
+  lines = [r.getMessage() for r in caplog.records if "rollouts:" in r.getMessage()]
+  assert lines and lines[0].startswith("step 7 rollouts: 2/3 trees done (0 solved), 2 agents,")
+  assert progress.trees == 3 and progress.agents == 3
+  assert progress.succeeded == sum(t.nodes[0].success == 1.0 for t in trees)
+  assert progress.tokens == sum(n.num_generated_tokens for t in trees for n in t.nodes) > 0
+
+
 def test_a_crashed_sandbox_and_an_aborted_generation_are_infra_failures():
   class Abort(Scripted):
     async def generate(self, request):
