@@ -70,32 +70,43 @@ def main(argv):
   print(f"[1/4] The delegation micro-run: RAO teaches a tiny policy to delegate -> "
         f"{root}/delegation", flush=True)
   mic = micro_run(os.path.join(root, "delegation"))
+  stages = {"delegation": _minutes_since(t0)}
   print(f"      sampled trees, first {mic['window']} -> last {mic['window']} of {mic['steps']} "
         f"steps: success {mic['success_first']:.2f} -> {mic['success_last']:.2f}, delegating "
-        f"{mic['delegating_first']:.2f} -> {mic['delegating_last']:.2f}; curves: {mic['plot']}",
-        flush=True)
+        f"{mic['delegating_first']:.2f} -> {mic['delegating_last']:.2f}; curves: {mic['plot']} "
+        f"({stages['delegation']:.1f} min)", flush=True)
 
   print(f"[2/4] SmolLM2-135M: supervised warm start on scripted demonstrations -> {root}/sft",
         flush=True)
   sft_cfg = textcraft_synth.get_config(CONFIG)
+  t = time.time()
   sft_res = sft.run_sft(sft_cfg, os.path.join(root, "sft"))
+  stages["sft"] = _minutes_since(t)
   if sft_res["steps_run"]:
     print(f"      {sft_res['num_demos']} demonstration trees, "
-          f"final NLL {sft_res['final_nll']:.3f}")
+          f"final NLL {sft_res['final_nll']:.3f} ({stages['sft']:.1f} min)")
   else:
     print("      already complete in this workdir (resumed from its last checkpoint)")
 
   print(f"[3/4] Greedy evaluation of the warm start on {EVAL_TASKS} held-out tasks", flush=True)
+  t = time.time()
   before = evaluation.evaluate_checkpoint(os.path.join(root, "sft"), num_tasks=EVAL_TASKS,
                                           modes=("recursive",))
+  stages["eval_before"] = _minutes_since(t)
+  print(f"      ({stages['eval_before']:.1f} min)", flush=True)
 
   print(f"[4/4] RAO training -> {root}/rl, then the same evaluation reloaded from its "
         "checkpoint", flush=True)
   rl_cfg = textcraft_synth.get_config(CONFIG)
   rl_cfg.ckpt.init_from = os.path.join(root, "sft")
+  t = time.time()
   rl = trainer.train(rl_cfg, os.path.join(root, "rl"))
+  stages["rl"] = _minutes_since(t)
+  t = time.time()
   after = evaluation.evaluate_checkpoint(os.path.join(root, "rl"), num_tasks=EVAL_TASKS,
                                          modes=("recursive",))
+  stages["eval_after"] = _minutes_since(t)
+  print(f"      RL {stages['rl']:.1f} min, evaluation {stages['eval_after']:.1f} min", flush=True)
 
   smol = {}
   for diff, b in before["modes"]["recursive"].items():
@@ -112,11 +123,16 @@ def main(argv):
       "evaluation": os.path.join(after["out_dir"], "results.json"),
   }
   result = {"delegation": {k: mic[k] for k in mic if k != "plot"},
-            "smollm2_recursive": smol, "minutes": round((time.time() - t0) / 60, 1)}
+            "smollm2_recursive": smol, "minutes": _minutes_since(t0),
+            "stage_minutes": stages}
   print(json.dumps(result))
   print_summary(mic, smol, outputs)
   with open(os.path.join(root, DONE_FILE), "w", encoding="utf-8") as f:
     json.dump({**result, "outputs": outputs}, f, indent=1)
+
+
+def _minutes_since(t: float) -> float:
+  return round((time.time() - t) / 60, 1)
 
 
 def print_summary(mic: dict, smol: dict, outputs: dict) -> None:
