@@ -119,10 +119,11 @@ def config_for(mode: str, s: dict):
   c.agent.max_depth = s["max_depth"]
   c.agent.max_live_agents = s["max_live_agents"]
   c.agent.max_new_tokens = s["max_new_tokens"]   # the budget program's cell is ~395 tokens
-  # RL rollouts sample at this temperature (the learner's log-probs use the same). At 1.0 the
-  # warm-started SmolLM2 corrupted every ~390-token cell within its first lines: the first RL
-  # step of the CPU run (train tasks) had 0 of 8 trees succeed and no tree delegate, so no
-  # group had a signal. The held-out set was not consulted for this choice.
+  # RL rollouts sample at this temperature (the learner's log-probs use the same). It was set
+  # below 1.0 while a sampler defect (since fixed: the Gumbel noise could be +inf) drew about
+  # one token in 340 at random, which broke every sampled ~390-token cell at any temperature
+  # (0 of 8 trees of the first RL step at 1.0, 0.4 and 0.2). Fixed, the first step at 0.4 had
+  # 7 of 8 trees succeed. The held-out set was not consulted for this choice.
   c.agent.temperature = s["rl_temperature"]
   return c
 
@@ -397,7 +398,8 @@ def rl_attempts(root: str, mode: str) -> list[dict]:
     if name.startswith("rl_") and name.endswith("_aborted"):
       with open(os.path.join(base, name, "config.json")) as f:
         temperature = json.load(f)["agent"]["temperature"]
-      out.append({"folder": name, "temperature": temperature,
+      out.append({"folder": name, "why": name[len("rl_"):-len("_aborted")].replace("_", " "),
+                  "temperature": temperature,
                   "steps": le.training_summary(os.path.join(base, name))})
   return out
 
@@ -438,7 +440,7 @@ def report_plot(result: dict, root: str, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
-  runs = [(f"recursive, T={a['temperature']} (set aside)", a["steps"])
+  runs = [(f"recursive, {a['why']} (set aside)", a["steps"])
           for a in result["modes"].get("recursive", {}).get("rl_attempts", [])]
   for mode in result["modes"]:
     rl = os.path.join(root, mode, "rl")

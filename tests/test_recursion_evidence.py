@@ -104,7 +104,7 @@ def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp
   stage("single", "eval_before", ev(1))
   stage("single", "rl", {"step": 4})
   stage("single", "eval_after", ev(1))
-  aborted = tmp_path / "recursive" / "rl_temperature1.0_aborted"
+  aborted = tmp_path / "recursive" / "rl_temperature1.0_before_sampler_fix_aborted"
   aborted.mkdir()
   (aborted / "config.json").write_text(json.dumps({"agent": {"temperature": 1.0}}))
   (aborted / "metrics.jsonl").write_text(json.dumps(
@@ -116,6 +116,7 @@ def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp
   assert rec["before"] == 0.6 and rec["after"] is None and rec["paired"] is None
   (attempt,) = rec["rl_attempts"]
   assert attempt["temperature"] == 1.0 and attempt["steps"]["success"] == [0.0]
+  assert attempt["why"] == "temperature1.0 before sampler fix"
   assert out["vs_single"]["delta"] == pytest.approx(0.5)
   assert out["vs_single"]["recursive_side"].startswith("warm start")
   assert out["minutes"] == pytest.approx(1.5 * 8)
