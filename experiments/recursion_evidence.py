@@ -59,6 +59,7 @@ _STAGES = flags.DEFINE_enum("stages", "all", ["caps", "all"],
 _RL_TEMPERATURE = flags.DEFINE_float(
     "rl_temperature", None, "RL rollout temperature (default: the scale's `rl_temperature`).")
 _RL_STEPS = flags.DEFINE_integer("rl_steps", None, "RL steps (default: the scale's `rl_steps`).")
+_RL_LR = flags.DEFINE_float("rl_lr", None, "RL learning rate (default: the scale's `lr`).")
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
@@ -99,9 +100,12 @@ _SCALES = {
                  tasks_per_step=1, group=2, ctx=2048, eval_diff="medium", train="medium",
                  lr=2e-5, slots=8, budget=8, max_depth=4, max_live_agents=64,
                  max_new_tokens=512, rl_temperature=0.4),
+    # lr is RL's (SFT has its own). At 2e-5 the first update (Adam's first step moves every
+    # weight by the full lr, whatever its gradient's size) took the warm start off its program:
+    # the next step's 8 sampled trees all ran to the context limit, none delegating.
     "cpu": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2, rl_steps=4,
                 tasks_per_step=2, group=4, ctx=2048, eval_diff="medium", train="medium",
-                lr=2e-5, slots=32, budget=8, max_depth=4, max_live_agents=64,
+                lr=2e-6, slots=32, budget=8, max_depth=4, max_live_agents=64,
                 max_new_tokens=512, rl_temperature=0.4),
     "gpu": dict(caps_tasks=200, eval_tasks=200, sft_steps=150, demos=256, sft_trees=8,
                 rl_steps=40, tasks_per_step=8, group=8, ctx=8192, eval_diff="hard",
@@ -511,6 +515,8 @@ def main(argv):
     s["rl_temperature"] = _RL_TEMPERATURE.value
   if _RL_STEPS.value is not None:
     s["rl_steps"] = _RL_STEPS.value
+  if _RL_LR.value is not None:
+    s["lr"] = _RL_LR.value
   root = os.path.abspath(_flag("workdir"))
   if flags.FLAGS["report_only"].value:
     result = {"scale": scale, "settings": s, **report_from_disk(s, root, _flag("modes"))}
