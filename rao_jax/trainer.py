@@ -314,7 +314,8 @@ class Trainer:
     tasks = process_share(tasks, self.process, self.num_processes)
     t0 = time.perf_counter()
     deadline = t0 + rl.deadline_s if rl.deadline_s else None
-    progress = RolloutProgress(runner, step, len(tasks) * rl.group_size, ROLLOUT_REPORT_S)
+    # Numbered from 1, as metrics.jsonl and the bar count steps.
+    progress = RolloutProgress(runner, step + 1, len(tasks) * rl.group_size, ROLLOUT_REPORT_S)
     reporter = asyncio.ensure_future(progress.report())
     try:
       groups = await asyncio.gather(*(
