@@ -5,7 +5,7 @@ RAO loss (per-node token mean, w_d * A / |M_v|), AdamW + global-norm clipping. O
 `Learner` step (jitted, micro-batch scan). Peer: transformers' LlamaForCausalLM with the SAME
 weights, the SAME packed rows (block-diagonal causal 4-D mask, per-segment position ids), the
 same loss and optimizer, rows accumulated one at a time exactly like our micro-batches (each
-choice is written at `torch_step`). The first step's losses of both are compared (they must
+choice is written at `torch_step`), in a process of its own (`peer_process`). The first step's losses of both are compared (they must
 agree: same weights, same tokens). The sides alternate in rounds (`--rounds` of `--repeats`
 steady steps each; the first step after a switch is reported apart), so machine drift hits
 both; `ours_spread` is the largest deviation of one of our steady steps from their median.
@@ -127,6 +127,51 @@ def torch_step(hf_dir: str, batch: dict, lr: float):
   return step
 
 
+def peer_process(hf_dir: str, batch: dict, lr: float, workdir: str):
+  """`torch_step` in a process of its own (no JAX there), driven over a pipe.
+
+  In one process with ours, the two frameworks' thread pools, allocators and caches met: our
+  first step after a switch took 32 s against 18 s steady, and a steady one 29 s. Apart, each
+  side's process waits idle on a read while the other runs. Returns (step, close, info): step()
+  runs one step there and returns its loss; info says the peer's PyTorch version and threads.
+  """
+  import subprocess  # pylint: disable=import-outside-toplevel
+  path = os.path.join(workdir, "batch.npz")
+  np.savez(path, **batch)
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer_worker", hf_dir,
+                           path, repr(lr)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True)
+
+  def reply():
+    line = proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the peer process ended (exit status {proc.wait()}); see its stderr")
+    return json.loads(line)
+
+  def step():
+    proc.stdin.write("step\n")
+    proc.stdin.flush()
+    return reply()["loss"]
+
+  def close():
+    proc.stdin.close()
+    proc.wait(timeout=120)
+
+  return step, close, reply()
+
+
+def peer_worker(hf_dir: str, batch_path: str, lr: float) -> None:
+  """The peer process: builds `torch_step`, says it is ready, runs a step per line read."""
+  import torch  # pylint: disable=import-outside-toplevel
+  with np.load(batch_path) as f:
+    batch = {k: f[k] for k in f.files}
+  step = torch_step(hf_dir, batch, lr)
+  print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+  for line in sys.stdin:
+    if line.strip() == "step":
+      print(json.dumps({"loss": step()}), flush=True)
+
+
 def alternate(sides: dict, steps: int, rounds: int) -> dict:
   """Each side runs `steps` steps in a row, then the next side; `rounds` such rounds.
 
@@ -170,16 +215,20 @@ def run_default(args) -> dict:
     learner = make_learner(model, batch, args.lr)
     del model   # the learner holds its own copy; keep the peak memory down
     gc.collect()
-    ours, peer = ours_step(learner, batch), torch_step(hf_dir, batch, args.lr)
-    import torch
-    log(f"peer: PyTorch {torch.__version__}, {torch.get_num_threads()} threads")
-    t0 = time.perf_counter()
-    ours_loss = ours()
-    log(f"ours: first step (compile + run) {time.perf_counter() - t0:.1f}s, loss {ours_loss:.6f}")
-    t0 = time.perf_counter()
-    peer_loss = peer()
-    log(f"peer: first step {time.perf_counter() - t0:.1f}s, loss {peer_loss:.6f}")
-    times = alternate({"ours": ours, "peer": peer}, args.repeats, args.rounds)
+    ours = ours_step(learner, batch)
+    peer, close_peer, info = peer_process(hf_dir, batch, args.lr, hf_dir)
+    log(f"peer: PyTorch {info['torch']}, {info['threads']} threads, in its own process")
+    try:
+      t0 = time.perf_counter()
+      ours_loss = ours()
+      log(f"ours: first step (compile + run) {time.perf_counter() - t0:.1f}s, "
+          f"loss {ours_loss:.6f}")
+      t0 = time.perf_counter()
+      peer_loss = peer()
+      log(f"peer: first step {time.perf_counter() - t0:.1f}s, loss {peer_loss:.6f}")
+      times = alternate({"ours": ours, "peer": peer}, args.repeats, args.rounds)
+    finally:
+      close_peer()
   med = {k: statistics.median(v["steady"]) for k, v in times.items()}
   ours_tps, peer_tps = tokens / med["ours"], tokens / med["peer"]
   spread = lambda xs, m: max(abs(x / m - 1) for x in xs)  # noqa: E731
@@ -265,6 +314,9 @@ def run_mfu(args) -> dict:
 
 
 def main():
+  if len(sys.argv) == 5 and sys.argv[1] == "--peer_worker":
+    peer_worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+    return
   from rao_jax import host_memory   # before JAX starts: freed step buffers are reused, not
   host_memory.keep_freed_memory()   # returned to the OS and page-faulted in again each step
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
