@@ -431,6 +431,8 @@ def report_from_disk(s: dict, root: str, modes) -> dict:
   result = {**summarize(raw, root), "complete": not any(missing.values()), "missing": missing,
             "stage_minutes": minutes,
             "minutes": sum(sum(v.values()) for v in minutes.values())}
+  result["training"] = {m: le.training_summary(os.path.join(root, m, "rl")) for m in modes
+                        if os.path.exists(os.path.join(root, m, "rl", "metrics.jsonl"))}
   if "recursive" in result["modes"]:
     result["modes"]["recursive"]["rl_attempts"] = rl_attempts(root, "recursive")
   return result
@@ -443,7 +445,7 @@ def report_plot(result: dict, root: str, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 6.2))
   runs = [(f"recursive, {a['why']} (set aside)", a["steps"])
           for a in result["modes"].get("recursive", {}).get("rl_attempts", [])]
   for mode in result["modes"]:
@@ -460,7 +462,8 @@ def report_plot(result: dict, root: str, path: str) -> None:
   ax0.set_xlabel("RL step")
   ax0.set_ylabel("sampled train trees")
   ax0.set_ylim(-0.02, 1.02)
-  ax0.legend(fontsize=7, loc="upper right")
+  # Below both panels: the curves stay visible and the axes keep their width.
+  fig.legend(*ax0.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
   bars = []
   for mode, r in result["modes"].items():
     for stage in ("before", "after"):
@@ -482,7 +485,7 @@ def report_plot(result: dict, root: str, path: str) -> None:
                  f"grey: scripted policies, {caps.get('tasks', '?')} tasks)")
   ax1.set_ylim(0, 1.05)
   fig.suptitle("TextCraft-Synth medium, 8 crafts per agent: SmolLM2-135M, recursive vs single")
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.2, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 

@@ -117,6 +117,7 @@ def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp
   (attempt,) = rec["rl_attempts"]
   assert attempt["temperature"] == 1.0 and attempt["steps"]["success"] == [0.0]
   assert attempt["why"] == "temperature1.0 before sampler fix"
+  assert out["training"] == {}   # no RL stage wrote metrics here
   assert out["vs_single"]["delta"] == pytest.approx(0.5)
   assert out["vs_single"]["recursive_side"].startswith("warm start")
   assert out["minutes"] == pytest.approx(1.5 * 8)
