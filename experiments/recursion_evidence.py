@@ -28,9 +28,9 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   python -m experiments.recursion_evidence --stages=caps --scale=cpu --workdir=runs/recursion
   python -m experiments.recursion_evidence --scale=cpu --workdir=runs/recursion   # see below
   # Measured on 2 shared cores: recursive SFT 30 min (other work running), held-out evaluation
-  # 22 min, one RL step's rollouts 8-13 min (sampled cells fail and retry to the window);
+  # 18-22 min, one RL step 4-11 min of rollouts and 2.5-7 min of learner (3 steps: 34 min);
   # single SFT 5, evaluations 1.5, RL 10. `--report_only` writes the result from the stages
-  # on disk; `--rl_temperature` / `--rl_steps` override the scale.
+  # on disk; `--rl_temperature` / `--rl_steps` / `--rl_lr` override the scale.
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
   # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
