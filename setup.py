@@ -1,13 +1,41 @@
 """rao_jax: Recursive Agent Optimization in JAX. See README.md and BUILD.md."""
+import glob
+import os
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+# The experiment configs (and the micro-runs' warm start they call) as the wheel ships them:
+# `rao-train --config=textcraft_synth:recursive` runs one by name (rao_jax/cli/common.py). They
+# go under rao_jax/cli/shipped/, which only rao_jax's entry points put on sys.path, so the wheel
+# installs no top-level `experiments` package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = ["experiments/__init__.py", "experiments/micro_policy.py",
+           *sorted(os.path.relpath(p, _HERE)
+                   for p in glob.glob(os.path.join(_HERE, "experiments", "configs", "*.py")))]
+
+
+class BuildPyShippingConfigs(build_py):
+  """build_py that also copies SHIPPED into rao_jax/cli/shipped/ (not for editable installs:
+  those find the configs in their checkout)."""
+
+  def run(self):
+    super().run()
+    if getattr(self, "editable_mode", False):
+      return
+    for rel in SHIPPED:
+      dst = os.path.join(self.build_lib, "rao_jax", "cli", "shipped", rel)
+      self.mkpath(os.path.dirname(dst))
+      self.copy_file(os.path.join(_HERE, rel), dst)
 
 setup(
     name="rao_jax",
     version="0.1.0",
     description="Recursive Agent Optimization (RAO): RL for recursive LLM agents, in JAX",
     python_requires=">=3.11",
-    # rao_jax only: experiments/ (configs, thin `python -m` wrappers, the demo) stays in the
-    # checkout; a top-level `experiments` package in site-packages would collide with others.
+    # rao_jax only: a top-level `experiments` package in site-packages would collide with
+    # others; the configs ship inside rao_jax (SHIPPED above), the demo and wrappers do not.
+    cmdclass={"build_py": BuildPyShippingConfigs},
     packages=find_packages(include=["rao_jax", "rao_jax.*"]),
     package_data={"rao_jax": ["envs/data/**/*", "envs/data/*", "kernels/csrc/*.cc", "kernels/csrc/*.h"]},
     include_package_data=True,

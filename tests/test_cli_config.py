@@ -90,3 +90,35 @@ def test_a_config_without_a_schema_is_loaded_with_a_warning(tmp_path, caplog):
       sys.path.remove(str(tmp_path / "proj"))
       for name in [m for m in sys.modules if m.startswith("cfgpkg")]:
         del sys.modules[name]
+
+
+@pytest.mark.parametrize("value,arg", [("textcraft_synth", ":recursive,smoke"),
+                                       ("textcraft_synth.py", ":recursive"), ("micro", "")])
+@pytest.mark.parametrize("spaced", [False, True])
+def test_a_shipped_config_is_named_without_its_folder(tmp_path, monkeypatch, value, arg, spaced):
+  monkeypatch.chdir(tmp_path)   # no file of that name here: the name is looked up
+  argv = ["rao-train", "--workdir=w"] + (["--config", value + arg] if spaced
+                                         else [f"--config={value}{arg}"])
+  out = common.resolve_config(argv)
+  full = os.path.join(ROOT, "experiments", "configs", value.removesuffix(".py") + ".py")
+  assert out == argv[:2] + (["--config", full + arg] if spaced else [f"--config={full}{arg}"])
+  assert common.shipped_configs() == os.path.dirname(full)
+
+
+def test_a_config_file_or_no_config_is_left_as_given(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "micro").write_text("def get_config(arg=None): ...\n")  # a file wins over a name
+  for argv in (["x", "--config=micro:a"], ["x", "--workdir=w"],
+               ["x", f"--config={ROOT}/experiments/configs/micro.py"]):
+    assert common.resolve_config(argv) == argv
+
+
+@pytest.mark.parametrize("value", ["textcraft_sinth:recursive", "configs/textcraft_synth.py"])
+def test_an_unknown_config_names_the_shipped_ones(tmp_path, monkeypatch, value):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as e:
+    common.resolve_config(["x", f"--config={value}"])
+  msg = str(e.value)
+  assert value.split(":")[0] in msg and "no such file" in msg
+  assert "delegation, longcontext, micro, search, textcraft, textcraft_synth" in msg, msg
+  assert "base" not in msg.split("one of")[1], msg

@@ -1,5 +1,6 @@
 """The wheel works without the checkout: it ships the REPL, runs a sandboxed cell, installs the
-console scripts and no top-level `experiments` package.
+console scripts, runs the project's experiment configs by name and installs no top-level
+`experiments` package.
 
 The wheel is built from a copy of the source (so no stale build/ folder of the checkout can slip
 into it) and installed with --no-deps into a fresh virtual environment. Its dependencies come
@@ -120,3 +121,15 @@ def test_the_wheel_runs_a_sandboxed_cell_and_installs_only_rao_jax(tmp_path):
                f"--workdir={work}/run"], cwd=work)
   assert typo.returncode != 0
   assert "config.rl.lerning_rate is not a known setting" in typo.stderr, typo.stderr[-3000:]
+
+  # The project's configs ship inside rao_jax (not as a top-level package) and run by name:
+  # this one imports its base from the wheel, passes its key check and reaches model loading.
+  shipped = os.path.join(site, "rao_jax", "cli", "shipped", "experiments", "configs")
+  assert os.path.isfile(os.path.join(shipped, "textcraft_synth.py")), os.listdir(site)
+  named = _run([str(venv / "bin" / "rao-train"), "--config=textcraft_synth:recursive,smoke",
+                f"--workdir={work}/named", "--config.model.name=/nonexistent/model"], cwd=work)
+  assert named.returncode != 0
+  assert "Unknown model '/nonexistent/model'" in named.stderr, named.stderr[-3000:]
+  unknown = _run([str(venv / "bin" / "rao-train"), "--config=textcraft_sinth:recursive",
+                  f"--workdir={work}/named"], cwd=work)
+  assert unknown.returncode != 0 and "textcraft_synth" in unknown.stderr, unknown.stderr

@@ -1,4 +1,9 @@
-"""What the entry points share: multi-host flags, and loading config files by path.
+"""What the entry points share: multi-host flags, and loading config files by path or by name.
+
+`--config=NAME[:ARG]` (a name without a folder, e.g. `textcraft_synth:recursive,smoke`) names
+one of the project's experiment configs: an installed wheel ships them under
+`rao_jax/cli/shipped/experiments/` (copied from the checkout's `experiments/` when the wheel is
+built), and an editable install finds them in its checkout. A path is used as it is.
 
 A config file (`--config=PATH[:ARG]`, loaded by ml_collections from its path) may import its
 siblings by package name, as `experiments/configs/textcraft.py` imports
@@ -66,6 +71,55 @@ def config_package(path: str) -> tuple[str, str] | None:
   return (folder, ".".join(parts)) if parts else None
 
 
+def shipped_configs() -> str | None:
+  """The folder of the project's experiment configs: the wheel's copy, else the checkout's."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  for folder in (os.path.join(here, "shipped", "experiments", "configs"),
+                 os.path.join(os.path.dirname(os.path.dirname(here)), "experiments", "configs")):
+    if os.path.isfile(os.path.join(folder, "base.py")):
+      return folder
+  return None
+
+
+def config_names(folder: str | None) -> list[str]:
+  """The experiment configs in `folder` (file names without .py; `base` is their schema)."""
+  if folder is None:
+    return []
+  return sorted(n[:-3] for n in os.listdir(folder)
+                if n.endswith(".py") and n not in ("base.py", "__init__.py"))
+
+
+def resolve_config(argv: list[str], name: str = "config") -> list[str]:
+  """argv with `--<name>=NAME[:ARG]` replaced by the shipped config's path (module docstring).
+
+  A value whose file exists, or that has a folder in it, is left as it is.
+
+  Raises:
+    SystemExit: the value is neither a file nor a shipped config; the message lists them.
+  """
+  path = config_path(argv, name)
+  if path is None or os.path.isfile(path):
+    return argv
+  folder = shipped_configs()
+  names = config_names(folder)
+  stem = path[:-3] if path.endswith(".py") else path
+  if os.sep in path or stem not in names:
+    raise SystemExit(
+        f"--{name}={path}: no such file, and no shipped experiment config of that name. Give a "
+        f"config file's path, or one of {', '.join(names) or '(none: this install has none)'} "
+        f"by name, e.g. --{name}=textcraft_synth:recursive,smoke.")
+  full = os.path.join(folder, stem + ".py")
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith(f"--{name}="):
+      out[i] = f"--{name}={full}" + arg.split("=", 1)[1][len(path):]
+      break
+    if arg == f"--{name}" and i + 1 < len(out):
+      out[i + 1] = full + out[i + 1][len(path):]
+      break
+  return out
+
+
 def make_config_importable(argv: list[str]) -> None:
   """Puts the import root of argv's --config file's package on sys.path (see the docstring).
 
@@ -89,6 +143,7 @@ def run(main: Callable[[list[str]], None], doc: str) -> None:
   # `--help` lists the main module's key flags; the entry point's are defined in its module.
   for flag in flags.FLAGS.get_key_flags_for_module(main.__module__):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+  sys.argv[:] = resolve_config(sys.argv)
   make_config_importable(sys.argv)
   app.run(main)
 

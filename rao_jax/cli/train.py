@@ -1,7 +1,10 @@
-r"""RAO training: rao-train --config=CONFIG_FILE:ARG --workdir=DIR.
+r"""RAO training: rao-train --config=CONFIG[:ARG] --workdir=DIR.
+
+CONFIG is a config file's path, or the name of one of the project's configs (the files of
+`experiments/configs/`, which the wheel ships; an unknown name lists them).
 
 Examples (in a checkout, `python -m experiments.train` is the same command):
-  rao-train --config=experiments/configs/textcraft_synth.py:recursive,ctx=8192 --workdir=runs/tcs
+  rao-train --config=textcraft_synth:recursive,ctx=8192 --workdir=runs/tcs
   rao-train --config=experiments/configs/textcraft_synth.py:recursive,smoke \
       --workdir=/tmp/smoke --config.rl.group_size=4
 
