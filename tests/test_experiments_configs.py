@@ -206,3 +206,33 @@ def test_engine_config_takes_engine_defaults_and_any_field_a_run_sets():
   c.rollout.embedded.chunk_size = 64
   with pytest.raises(ValueError, match=r"\['chunk_size'\].*valid"):
     X.engine_config(c)
+
+
+def test_every_demonstration_of_the_demo_fits_its_window():
+  # The demo trains on 1280-token windows (two agents a packed row): every scripted
+  # demonstration it collects must succeed within that window, with room for a longer model
+  # turn. Shrinking the window below a demonstrated agent drops trees (fewer than 16) or fails.
+  import asyncio
+  import numpy as np
+  from rao_jax import sft
+  from rao_jax.model.tokenizer import Tokenizer
+  from rao_jax.model.weights import resolve_model_path
+  c = textcraft_synth.get_config("recursive,demo")
+  env = X.make_env(c)
+  tokenizer = Tokenizer.from_gguf(resolve_model_path(c.model.name))
+  tasks = X.task_split(env, "train", c.env.train_difficulty)
+  pick = np.random.default_rng([int(c.seed), 7]).choice(len(tasks), c.sft.num_demos, replace=False)
+
+  async def collect():
+    repls = X.sandbox_pool(c)
+    await repls.start()
+    try:
+      return await sft.collect_demonstrations(c, env, tokenizer, [tasks[i] for i in pick], repls)
+    finally:
+      await repls.close()
+
+  trees = asyncio.run(collect())
+  assert len(trees) == c.sft.num_demos == 16
+  longest = max(len(n.token_ids) for t in trees for n in t.nodes)
+  assert longest + c.agent.max_new_tokens <= c.agent.context_window == 1280, longest
+  assert X.learner_config(c, "/tmp/unused").row_len == 1280

@@ -32,17 +32,16 @@ def get_config(arg: str | None = None):
 
 
 def _demo(c):
-  """`make demo`: SFT warm start, two RL steps, evaluation; ~10 minutes on a 2-core CPU.
+  """`make demo`: SFT warm start, two RL steps, evaluation; ~7 of the demo's ~9 minutes here.
 
-  SmolLM2-135M trains at roughly 30 tokens/s on two CPU cores (an SFT step of one 3-node tree
-  takes ~135 s) and an agent's trajectory is 1-2K tokens (a 700-token system prompt, tool
-  observations), so the demo shows every stage at the smallest size that still runs each of
-  them for real.
+  SmolLM2-135M trains at roughly 60-100 tokens/s on two CPU cores and an agent's trajectory is
+  ~600 tokens (a ~430-token system prompt, one or two cells and their observations), so the
+  demo shows every stage at the smallest size that still runs each of them for real.
   """
   base.smoke(c)
-  # Recompute only attention in the backward pass: rows of 2K tokens fit in memory and the
-  # learner does not redo the whole forward ("full"), about a fifth of its time on CPU.
-  c.model.remat = "dots"
+  # No recomputation in the backward pass: a micro-batch is one row of 1280 tokens (below), whose
+  # activations fit in memory many times over, and recomputing would cost learner time.
+  c.model.remat = "none"
   c.total_steps = 2
   c.agent.max_steps_per_agent = 4
   c.rl.group_size = 2
@@ -57,6 +56,12 @@ def _demo(c):
   # learned the format but not a plan's arithmetic (0 of 50 held-out easy tasks).
   c.sft.scripted_style = "program"
   c.agent.max_new_tokens = 192          # the longest demonstrated cell is ~145 tokens
+  # Every demonstrated agent fits in 595 tokens (a 430-token system prompt, one or two cells),
+  # so a 1280-token window holds any of them with room to spare, and a packed row of 1280 (two
+  # agents) costs the learner about 0.6 of a 2048 row holding the same two: the SFT stage is
+  # most of the demo's time.
+  c.agent.context_window = 1280
+  c.rollout.max_cache_len = 1280
   # Few row counts: on a CPU each new one costs a minute of compilation.
   c.learner.bucket_rows = (2, 4)
 
