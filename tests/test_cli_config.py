@@ -65,11 +65,13 @@ def _train(config, cwd):
                         timeout=120, env=env)
 
 
-def test_a_config_imports_its_package_from_elsewhere_and_its_schema_rejects_a_typo(tmp_path):
+@pytest.mark.parametrize("arg", ["", ":model=/a/folder/elsewhere"])
+def test_a_config_imports_its_package_from_elsewhere_and_its_schema_rejects_a_typo(tmp_path, arg):
+  # An argument may hold a path (`model=DIR`): the schema is still found beside the file.
   configs = _config_package(tmp_path)
   elsewhere = tmp_path / "elsewhere"
   elsewhere.mkdir()
-  out = _train(configs / "typo.py", elsewhere)
+  out = _train(f"{configs / 'typo.py'}{arg}", elsewhere)
   assert out.returncode != 0
   assert "config.sede is not a known setting" in out.stderr, out.stderr[-3000:]
   assert "ModuleNotFoundError" not in out.stderr

@@ -154,6 +154,10 @@ def check_keys(config, path: str) -> None:
   Raises:
     ValueError: from the schema, naming an unknown key.
   """
+  if not os.path.isfile(path):
+    # ml_collections names the file with its argument when the argument holds a "/"
+    # (`micro.py:model=/runs/policy`); the file is what comes before the first ":".
+    path = path.split(":", 1)[0]
   found = config_package(path)
   check = None
   if found is not None:
