@@ -8,7 +8,10 @@
    tokens; decode tokens/s = B * 63 / (t64 - t1) -> ratio_b1, ratio_b8, ratio_b32. The
    end-to-end figures (prefill included, B * 64 / t64) are reported too: e2e_ratio_b*. At
    batch 32 the 8K-token prefill is most of the end-to-end time on both sides. The sides
-   alternate in rounds; the peer is set up as its users do (`torch_round`).
+   alternate in rounds; the peer is set up as its users do (`torch_round`) and runs in a
+   process of its own (`peer_process`): in ours, PyTorch's and XLA's thread pools met, and one
+   side's decode fell to about half its speed whenever the other's had just run (batch 32,
+   three rounds: ours 89/97/183 tok/s while the peer's ran 157/157/111).
    `share_of_peak_bandwidth_b*`: the bytes a decode step must read (every product weight once,
    float32, plus each row's K and V over its mean context: bench_peak.decode_step_bytes) times
    steps/s, over the best memory bandwidth bench_peak.py measured on this CPU;
@@ -97,6 +100,56 @@ def torch_round(hf_model, prompts):
   return one_round
 
 
+def peer_process(hf_dir: str):
+  """`torch_round` in a process of its own (no JAX there), driven over a pipe.
+
+  Returns (setup, close, info): setup(prompts) builds that batch's round there (its untimed
+  first call included) and returns a function that runs one round and returns (t1, t64);
+  info names the peer's PyTorch version and threads.
+  """
+  import subprocess  # pylint: disable=import-outside-toplevel
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer_worker", hf_dir],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+  def ask(msg):
+    proc.stdin.write(json.dumps(msg) + "\n")
+    proc.stdin.flush()
+    return reply()
+
+  def reply():
+    line = proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the peer process ended (exit status {proc.wait()}); see its stderr")
+    return json.loads(line)
+
+  def setup(prompts):
+    ask({"prompts": prompts})
+    return lambda: tuple(ask({"round": True})["times"])
+
+  def close():
+    proc.stdin.close()
+    proc.wait(timeout=120)
+
+  return setup, close, reply()
+
+
+def peer_worker(hf_dir: str) -> None:
+  """The peer process: loads the HF folder, says it is ready, then per line either sets up a
+  batch (`{"prompts": ...}`) or times one round of it (`{"round": true}`)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from transformers import AutoModelForCausalLM  # pylint: disable=import-outside-toplevel
+  hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+  print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+  one_round = None
+  for line in sys.stdin:
+    msg = json.loads(line)
+    if "prompts" in msg:
+      one_round = torch_round(hf, msg["prompts"])
+      print(json.dumps({"ready": True}), flush=True)
+    else:
+      print(json.dumps({"times": one_round()}), flush=True)
+
+
 def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=64, seed=0):
   from rao_jax.rollout import GenerateRequest, SamplingParams
   from rao_jax.rollout.embedded import EmbeddedEngine
@@ -129,6 +182,9 @@ def multi_turn(model, sessions: bool, agents=8, turns=6, first_prompt=128, obs=6
 
 
 def main():
+  if len(sys.argv) == 3 and sys.argv[1] == "--peer_worker":
+    peer_worker(sys.argv[2])
+    return
   from rao_jax import host_memory   # before JAX starts: freed step buffers are reused, not
   host_memory.keep_freed_memory()   # returned to the OS and page-faulted in again each step
   ap = argparse.ArgumentParser()
@@ -137,18 +193,16 @@ def main():
   ap.add_argument("--no-sessions", action="store_true", help="skip the multi-turn part")
   args = ap.parse_args()
   repeats = 1 if args.quick else 3
-  import torch
-  say(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads (its default)")
   from rao_jax.model import load_pretrained
   from rao_jax.model.weights import export_hf
   from rao_jax.rollout.embedded import EmbeddedEngine
-  from transformers import AutoModelForCausalLM
 
   say("loading SmolLM2-135M (float32)")
   model, tok = load_pretrained("smollm2-135m", dtype="float32")
   tmp = tempfile.mkdtemp(prefix="bench_rollout_")
   export_hf(model, None, tok, tmp)
-  hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+  peer_setup, peer_close, info = peer_process(tmp)
+  say(f"peer: PyTorch {info['torch']}, {info['threads']} threads (its default), own process")
   rng = np.random.default_rng(0)
   out = {}
   # One engine for all batch sizes: decode runs over the first 1 / 8 / 32 slots only.
@@ -158,7 +212,7 @@ def main():
     prompts = [list(map(int, rng.integers(3, 49000, PROMPT))) for _ in range(b)]
     t0 = time.perf_counter()
     reps = repeats if b < 32 else max(1, repeats - 1)
-    sides = {"embedded": engine_round(engine, prompts), "torch": torch_round(hf, prompts)}
+    sides = {"embedded": engine_round(engine, prompts), "torch": peer_setup(prompts)}
     say(f"b={b}: both sides warm ({time.perf_counter() - t0:.0f} s incl. compile)")
     times = {k: ([], []) for k in sides}
     for _ in range(reps):    # alternating rounds: machine drift hits both sides alike
@@ -184,6 +238,7 @@ def main():
       out[f"share_of_peak_bandwidth_b{b}"] = sh.get("share_of_peak_bandwidth")
       out[f"share_of_peak_gemm_b{b}"] = sh.get("share_of_peak_gemm")
   del engine
+  peer_close()
 
   times = {}
   for sessions in (() if args.no_sessions else (False, True)):
@@ -198,7 +253,8 @@ def main():
     out["multi_turn_s_sessions"] = round(times[True], 2)
     out["session_speedup"] = round(times[False] / times[True], 3)
   peak = bench_peak.load_peak()
-  out.update(cpu=bench_peak.cpu_model(), load_avg_1m=round(os.getloadavg()[0], 2),
+  out.update(peer={"torch": info["torch"], "threads": info["threads"], "process": "own"},
+             cpu=bench_peak.cpu_model(), load_avg_1m=round(os.getloadavg()[0], 2),
              peak=peak and {"gflops": peak["peak_gflops"], "gbps": peak["peak_gbps"]})
   print(json.dumps(out))
 
