@@ -381,7 +381,8 @@ def test_prefix_shared_across_slots_equals_recompute(model, warm):
 
   async def go(share):
     eng = EmbeddedEngine(model, **CFG, share_prefix_min=share)
-    # Four at once: the first prefills the head, the others wait for it and copy its rows.
+    # Four at once: the first prefills the head, the others copy its rows (waiting for its
+    # prefill if they arrive while it runs).
     res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(8))) for p in ps])
     stats = dict(eng.stats, traces=eng.trace_counts)
     await eng.close()
@@ -393,7 +394,10 @@ def test_prefix_shared_across_slots_equals_recompute(model, warm):
   assert s1["prefix_copies"] == 3 and s1["prefix_copied_tokens"] == 3 * len(head)
   assert s0["prefill_tokens"] - s1["prefill_tokens"] == 3 * len(head)
   assert sorted(r.cached_tokens for r in shared) == [0] + [len(head)] * 3
-  assert s1.get("prefix_waits", 0) > 0 and not s0.get("prefix_copies")
+  # Whether the later requests waited for the head's prefill or arrived after it depends on
+  # thread timing (a loaded machine admits them late); the copies above do not.
+  # test_rollout_slot_table checks the wait itself, deterministically.
+  assert not s0.get("prefix_copies")
   assert s1["traces"] == s0["traces"] == {}
 
 
