@@ -65,6 +65,15 @@ def sft_advantages(trees: Sequence[R.TreeRecord]) -> rewards_lib.Advantages:
       baseline_N=np.zeros(n), advantage_N=ones, weight_N=ones, stats={})
 
 
+def demonstration_tasks(config, env) -> list:
+  """The training tasks whose scripted trees become demonstrations (config.sft.num_demos of
+  them, drawn without replacement from the seed)."""
+  tasks = X.task_split(env, "train", config.env.train_difficulty)
+  rng = np.random.default_rng([int(config.seed), 7])
+  pick = rng.choice(len(tasks), size=min(int(config.sft.num_demos), len(tasks)), replace=False)
+  return [tasks[i] for i in pick]
+
+
 def run_sft(config, workdir: str, demos_path: str | None = None) -> dict[str, Any]:
   """Collects (or loads) demonstrations and trains on them; saves a checkpoint at the end."""
   return asyncio.run(_run_sft(config, workdir, demos_path))
@@ -83,13 +92,11 @@ async def _run_sft(config, workdir: str, demos_path: str | None) -> dict[str, An
   elif os.path.exists(demos_file):
     trees = R.load_trees_jsonl(demos_file)
   else:
-    tasks = X.task_split(env, "train", config.env.train_difficulty)
-    rng = np.random.default_rng([int(config.seed), 7])
-    pick = rng.choice(len(tasks), size=min(int(config.sft.num_demos), len(tasks)), replace=False)
     repls = X.sandbox_pool(config)
     await repls.start()
     try:
-      trees = await collect_demonstrations(config, env, tokenizer, [tasks[i] for i in pick], repls)
+      trees = await collect_demonstrations(config, env, tokenizer,
+                                           demonstration_tasks(config, env), repls)
     finally:
       await repls.close()
     R.save_trees_jsonl(demos_file, trees)

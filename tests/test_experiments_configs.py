@@ -213,21 +213,19 @@ def test_every_demonstration_of_the_demo_fits_its_window():
   # demonstration it collects must succeed within that window, with room for a longer model
   # turn. Shrinking the window below a demonstrated agent drops trees (fewer than 16) or fails.
   import asyncio
-  import numpy as np
   from rao_jax import sft
   from rao_jax.model.tokenizer import Tokenizer
   from rao_jax.model.weights import resolve_model_path
   c = textcraft_synth.get_config("recursive,demo")
   env = X.make_env(c)
   tokenizer = Tokenizer.from_gguf(resolve_model_path(c.model.name))
-  tasks = X.task_split(env, "train", c.env.train_difficulty)
-  pick = np.random.default_rng([int(c.seed), 7]).choice(len(tasks), c.sft.num_demos, replace=False)
 
   async def collect():
     repls = X.sandbox_pool(c)
     await repls.start()
     try:
-      return await sft.collect_demonstrations(c, env, tokenizer, [tasks[i] for i in pick], repls)
+      return await sft.collect_demonstrations(c, env, tokenizer, sft.demonstration_tasks(c, env),
+                                              repls)
     finally:
       await repls.close()
 

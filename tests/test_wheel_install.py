@@ -132,4 +132,4 @@ def test_the_wheel_runs_a_sandboxed_cell_and_installs_only_rao_jax(tmp_path):
   assert "Unknown model '/nonexistent/model'" in named.stderr, named.stderr[-3000:]
   unknown = _run([str(venv / "bin" / "rao-train"), "--config=textcraft_sinth:recursive",
                   f"--workdir={work}/named"], cwd=work)
-  assert unknown.returncode != 0 and "textcraft_synth" in unknown.stderr, unknown.stderr
+  assert unknown.returncode != 0 and "micro, search, textcraft" in unknown.stderr, unknown.stderr
