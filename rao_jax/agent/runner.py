@@ -134,6 +134,7 @@ class _Tree:
     self.live = 0
     self.children: set[asyncio.Task] = set()
     self.t0 = time.perf_counter()
+    self.t0_unix = time.time()   # where the tree sits on a step's timeline
 
   def now(self) -> float:
     return time.perf_counter() - self.t0
@@ -209,7 +210,7 @@ class TreeRunner:
         meta={"mode": "recursive" if self.cfg.recursive else "single", "wall_s": wall,
               "difficulty": task.difficulty, "goal": task.goal,
               "config": dataclasses.asdict(self.cfg), "episode": tree.episode.summary(),
-              "step_budget": steps,
+              "step_budget": steps, "started_unix": tree.t0_unix,
               "deadline_cut": any("deadline" in r.extras for r in tree.records)})
     return rec
 
@@ -318,7 +319,11 @@ class TreeRunner:
         rec.extras["error"] = rec.extras["infra_error"] = (
             f"generate failed: {type(e).__name__}: {e}")
         return R.END_ERROR
-      rec.timings["generate"] += time.perf_counter() - t0
+      t_gen_end = time.perf_counter()
+      rec.timings["generate"] += t_gen_end - t0
+      # Each turn's generation and cell on the tree's clock: a timeline shows what the agents
+      # waited for.
+      span = {"generate": [t0 - tree.t0, t_gen_end - tree.t0]}
       if len(res.logprobs) != len(res.token_ids):
         rec.extras["error"] = rec.extras["infra_error"] = (
             "engine returned logprobs and token_ids of different lengths")
@@ -346,7 +351,8 @@ class TreeRunner:
       st.budget.left -= 1
       text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
       if res.finish_reason == rollout.FinishReason.CONTEXT or len(rec.token_ids) >= cfg.context_window:
-        rec.extras["turns"].append({"text": text, "code": None, "observation": None})
+        rec.extras["turns"].append({"text": text, "code": None, "observation": None,
+                                    "span_s": span})
         return R.END_CONTEXT
       code = code_lib.extract_code(text)
       output, error = "", None
@@ -360,7 +366,9 @@ class TreeRunner:
           output, error = r.output, r.error
           if getattr(r, "crashed", False):
             rec.extras["error"] = rec.extras["infra_error"] = f"sandbox crashed: {error}"
-            rec.extras["turns"].append({"text": text, "code": code, "observation": error})
+            span["execute"] = [t1 - tree.t0, time.perf_counter() - tree.t0]
+            rec.extras["turns"].append({"text": text, "code": code, "observation": error,
+                                        "span_s": span})
             rec.timings["execute"] += time.perf_counter() - t1
             return R.END_ERROR
           if getattr(r, "sandbox_restarted", False):
@@ -369,7 +377,9 @@ class TreeRunner:
       rec.timings["execute"] += time.perf_counter() - t1
       steps_left = max(0, min(st.own_cap - rec.num_steps, st.budget.left))
       obs = prompts.observation_text(output, error, steps_left, cfg.observation_max_chars)
-      rec.extras["turns"].append({"text": text, "code": code, "observation": obs})
+      span["execute"] = [t1 - tree.t0, time.perf_counter() - tree.t0]
+      rec.extras["turns"].append({"text": text, "code": code, "observation": obs,
+                                  "span_s": span})
       if st.finished:
         return R.END_FINISH
       closed = int(res.token_ids[-1]) in self.chat.stop_token_ids

@@ -86,6 +86,7 @@ class Scheduler:
 
   def _prefill_step(self) -> None:
     c = self.config
+    t0 = time.perf_counter()
     C, group = self.table.prefill_group()
     rows = bucket(c.prefill_rows, len(group))
     self._ensure_cache_len(max(max(len(s.tokens) + C for s in group), self.table.held_need()),
@@ -112,6 +113,8 @@ class Scheduler:
     tok_P, logp_P = np.asarray(tok_P), np.asarray(logp_P)
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += sum(len(p) for p in pieces)
+    self.stats["prefill_padded_tokens"] += rows * C
+    self.stats["prefill_s"] += time.perf_counter() - t0
     index = {s.index: i for i, s in enumerate(group)}
     for s in self.table.prefilled(group, pieces):
       i = index[s.index]
@@ -119,6 +122,7 @@ class Scheduler:
 
   def _decode_step(self, decoding: list[Slot]) -> None:
     c = self.config
+    t0 = time.perf_counter()
     R = bucket(c.decode_rows, max(s.index for s in decoding) + 1)
     self._ensure_cache_len(self.table.held_need(), allow_shrink=True)
     batch = P.DecodeBatch.zeros(R)
@@ -144,6 +148,12 @@ class Scheduler:
           break
       s.last_used = now
     self.stats["decode_tokens"] += len(decoding) * c.decode_steps
+    # Occupancy: rows computed against requests that needed them; the per-count tallies let
+    # a benchmark price each call at the rate of a batch of its active requests.
+    self.stats["decode_rows"] += R
+    self.stats["decode_active"] += len(decoding)
+    self.stats[f"decode_calls_active_{len(decoding)}"] += 1
+    self.stats["decode_s"] += time.perf_counter() - t0
 
   def accept(self, r: Req, token: int, logp: float) -> bool:
     """Records one sampled token; finishes the request when a limit is hit."""
