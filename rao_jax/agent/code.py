@@ -10,6 +10,14 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)",
                     re.DOTALL | re.IGNORECASE)
 
 
+# Where a turn's generation stops (the engine's stop strings): a closing fence on its own line.
+# A cell the model closes with its end-of-turn token (what it was taught) stops at that id
+# first; this ends the cells that run on past the fence, at the newline after it. A bare
+# opening fence at a line start ("\n```\n", no language) also matches: that turn then has no
+# code, which the agent is told (NO_CODE), where the prompt asks for ```python blocks.
+CELL_CLOSE_STOP = ("\n```\n",)
+
+
 def extract_code(text: str) -> str | None:
   """The Python code of a turn: every fenced code block, joined in order; None if none.
 

@@ -65,6 +65,9 @@ class RunnerConfig:
       "timeout" at its next turn boundary.
     tree_step_budget: most steps (turns, all nodes together) of one tree; a task's own
       `max_steps` is capped to it (None: the task's budget alone).
+    stop_at_cell_close: a turn's generation ends where its code cell closes (the engine's
+      stop strings, `code.CELL_CLOSE_STOP`), not at `max_new_tokens`: the cell is what runs,
+      and text after it only costs decode time (and a parent's wait for its slowest child).
   """
   recursive: bool = True
   max_depth: int = 3
@@ -80,6 +83,7 @@ class RunnerConfig:
   observation_max_chars: int = 4000
   node_timeout_s: float | None = None
   tree_step_budget: int | None = None
+  stop_at_cell_close: bool = True
 
   def __post_init__(self):
     for name in ("max_steps_per_agent", "max_live_agents", "context_window", "max_new_tokens",
@@ -299,7 +303,8 @@ class TreeRunner:
       params = rollout.SamplingParams(
           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
           max_new_tokens=min(cfg.max_new_tokens, room), seed=cfg.seed,
-          stop_token_ids=tuple(self.chat.stop_token_ids))
+          stop_token_ids=tuple(self.chat.stop_token_ids),
+          stop=code_lib.CELL_CLOSE_STOP if cfg.stop_at_cell_close else ())
       req = rollout.GenerateRequest(prompt_ids=list(rec.token_ids), params=params,
                                     session_id=_session_id(tree, st.info),
                                     context_limit=cfg.context_window,

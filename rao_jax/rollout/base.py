@@ -44,6 +44,9 @@ class SamplingParams:
     min_new_tokens: no stop id can end generation before this many tokens: the stop ids'
       logits are masked until then (SGLang's ``min_new_tokens``; the reported logprobs are
       those of the masked distribution). 0 = off.
+    stop: stop strings (SGLang's ``stop``): generation ends with FinishReason.STOP at the
+      token whose decoded text completes one; that token is kept (``no_stop_trim``), so the
+      output's text ends with the match. () = none.
   """
   temperature: float = 1.0
   top_p: float = 1.0
@@ -56,8 +59,18 @@ class SamplingParams:
   presence_penalty: float = 0.0
   repetition_penalty: float = 1.0
   min_new_tokens: int = 0
+  stop: tuple[str, ...] = ()
 
   def __post_init__(self):
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+    try:
+      stop = tuple(stop)
+    except TypeError:
+      stop = (None,)
+    if any(not isinstance(x, str) or not x for x in stop):
+      raise ValueError(f"SamplingParams.stop={self.stop!r}: must be a tuple of non-empty "
+                       "strings (() = no stop string).")
+    object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
     if not self.temperature >= 0:
       raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy).")
     if not 0 < self.top_p <= 1:

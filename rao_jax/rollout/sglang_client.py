@@ -257,6 +257,8 @@ class SGLangEngine(Engine):
         sp[k] = float(getattr(p, k))
     if p.min_new_tokens:
       sp["min_new_tokens"] = int(p.min_new_tokens)
+    if p.stop:
+      sp["stop"] = list(p.stop)
     if p.seed is not None:
       sp["sampling_seed"] = int(p.seed)
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
@@ -534,6 +536,8 @@ class OpenAIEngine(Engine):
       body["seed"] = int(p.seed)
     if p.min_new_tokens:                 # vLLM / SGLang's name on the OpenAI route
       body["min_tokens"] = int(p.min_new_tokens)
+    if p.stop:
+      body["stop"] = list(p.stop)
     if p.stop_token_ids is not None:     # exactly these ids (vLLM / SGLang extensions)
       body["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
       body["ignore_eos"] = True

@@ -40,7 +40,9 @@ class EngineConfig:
     prefill_rows: prefill batch buckets, ascending; at most max(prefill_rows) slots per call.
     decode_rows: decode batch buckets, ascending, ending at num_slots; () = 1, 4, 16, ... up to
       num_slots (a lone agent then decodes one row, not num_slots: ~3x faster on CPU).
-      Decoding runs over the first R slots, R the smallest bucket covering every active slot.
+      Decoding runs over the first R slots, R the smallest bucket covering every active slot;
+      the slot table first moves decoding slots into the lowest rows, so R follows the active
+      requests (`SlotTable.compaction`).
     decode_steps: tokens generated per decode call (>1 trades scheduling latency for less
       per-call overhead).
     shrink_patience: scheduler iterations the needed cache length must stay at most half the

@@ -43,7 +43,7 @@ class EmbeddedEngine(Engine):
   """
 
   def __init__(self, model, config: EngineConfig | None = None, *,
-               weight_version: int | str = 0, **kwargs):
+               weight_version: int | str = 0, tokenizer=None, **kwargs):
     if config is None:
       config = EngineConfig(**kwargs)
     elif kwargs:
@@ -53,12 +53,19 @@ class EmbeddedEngine(Engine):
     self._graphdef, state = nnx.split(model)
     self._state_tree = jax.tree.structure(state)
     self._abstract_state = jax.eval_shape(lambda: state)
+    # The engine runs on one device: the first of those the model's weights are on. New weights
+    # come here too: arriving sharded on the learner's mesh, they would make every program's
+    # outputs (the KV cache) mesh-sharded, and each program compile again for those inputs.
+    leaf = jax.tree.leaves(state)[0]
+    devices = leaf.devices() if hasattr(leaf, "devices") else {jax.devices()[0]}
+    self._device = jax.sharding.SingleDeviceSharding(min(devices, key=lambda d: d.id))
     probe = jax.eval_shape(lambda: model.logits(
         model.forward_cached(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              model.init_cache(batch_size=1, max_len=8),
                              jnp.zeros((1,), jnp.int32))[0]))
     self.vocab_size = int(probe.shape[-1])
     self._init_cache = model.init_cache
+    self._tokenizer = tokenizer
     self._version = weight_version
     self._traces: collections.Counter = collections.Counter()
     self.stats = collections.Counter()
@@ -110,7 +117,7 @@ class EmbeddedEngine(Engine):
         quick and must not block; if it raises, the request is aborted with the error.
     """
     req = self._make_req(request)
-    req.on_token = on_token
+    req.on_token = self._stop_strings_hook(request.params.stop, on_token)
     if req.done:     # answered at admission (e.g. the prompt already fills the context)
       return req.future.result()
     with self._cv:
@@ -128,6 +135,26 @@ class EmbeddedEngine(Engine):
     except asyncio.CancelledError:
       await self.abort(req.rid)
       raise
+
+  def _stop_strings_hook(self, stop: tuple[str, ...], on_token):
+    """``on_token`` that also ends the request at the first token completing a stop string."""
+    if not stop:
+      return on_token
+    if self._tokenizer is None:
+      raise ValueError(f"SamplingParams.stop={stop!r}: this EmbeddedEngine has no tokenizer to "
+                       "match stop strings on; build it with EmbeddedEngine(model, ..., "
+                       "tokenizer=tokenizer).")
+    decode = self._tokenizer.decode
+    # A token decodes to at least one character, so the last len(s) tokens hold any match that
+    # the newest token completes; a few more absorb tokens that decode to nothing alone.
+    tail = max(len(s) for s in stop) + 8
+
+    def hook(out, logps):
+      if on_token is not None and on_token(out, logps):
+        return True
+      text = decode(out[-tail:], skip_special_tokens=True)
+      return any(s in text for s in stop)
+    return hook
 
   async def abort(self, rid: str) -> None:
     self._control(lambda: self._abort_where(lambda r: r.rid == rid, "aborted by the caller"))
@@ -239,8 +266,24 @@ class EmbeddedEngine(Engine):
       busy = bool(self._by_rid)
     if busy:
       raise RuntimeError("EmbeddedEngine.warmup() must run before requests are submitted.")
-    with P.counting(self._traces):
-      self._sched.warmup(max_cache_len, verbose)
+    # Compiled on a thread of its own, as bare as the scheduler's: a caller's thread may carry
+    # JAX context (a mesh set by `jax.set_mesh` / `use_mesh`, copied into `asyncio.to_thread`
+    # workers), which is part of every program's cache key; programs compiled under it would
+    # be compiled again by the scheduler thread, inside the first step.
+    errors = []
+
+    def run():
+      try:
+        with P.counting(self._traces):
+          self._sched.warmup(max_cache_len, verbose)
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+    thread = threading.Thread(target=run, name="engine-warmup", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+      raise errors[0]
     return time.perf_counter() - t0
 
   def score(self, token_ids: Sequence[int], *, temperature: float = 1.0,
@@ -359,7 +402,8 @@ class EmbeddedEngine(Engine):
       if new.shape != old.shape:
         raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
                          f"has {old.shape}; the configs differ.")
-      return jnp.array(new, dtype=old.dtype, copy=True)
+      moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
+      return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
     state = jax.tree.map(own, state, self._abstract_state)
     return nnx.merge(self._graphdef, state).inference_params()
 

@@ -11,7 +11,8 @@ dataclass of host-built arrays, jitted once per bucketed shape:
     ``SamplingArrays`` and optional ``Penalties``);
   * ``score``: next-token log-probs of one sequence in a fresh cache;
   * ``resize``: the cache cut or zero-padded to another length bucket;
-  * ``copy_row``: one cache row's KV copied onto another (a prefix shared across slots).
+  * ``copy_row``: one cache row's KV copied onto another (a prefix shared across slots);
+  * ``swap_rows``: two cache rows exchanged (decoding slots moved into the lowest rows).
 
 The programs are module-level, so every engine over the same model architecture shares their
 compilations. Traces are counted per engine: an engine marks its threads with
@@ -335,6 +336,19 @@ def copy_row(batch_axes: tuple[int, ...], cache, src, dst):
   return jax.tree.map(one, cache, _axes_tree(cache, batch_axes))
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def swap_rows(batch_axes: tuple[int, ...], cache, a, b):
+  """The cache with rows `a` and `b` exchanged (the slot table's compaction)."""
+  _traced("swap_rows")
+
+  def one(x, ax):
+    ra = jax.lax.dynamic_slice_in_dim(x, a, 1, axis=ax)
+    rb = jax.lax.dynamic_slice_in_dim(x, b, 1, axis=ax)
+    x = jax.lax.dynamic_update_slice_in_dim(x, rb, a, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(x, ra, b, axis=ax)
+  return jax.tree.map(one, cache, _axes_tree(cache, batch_axes))
+
+
 __all__ = ["DecodeBatch", "DeviceState", "Penalties", "PrefillBatch", "SamplingArrays",
            "cache_axes", "copy_row", "counting", "decode", "penalties", "prefill", "resize",
-           "sample", "sampling_arrays", "score"]
+           "sample", "sampling_arrays", "score", "swap_rows"]

@@ -55,6 +55,7 @@ class Scheduler:
     self._decode = functools.partial(P.decode, fns, c.decode_steps)
     self._resize = {n: functools.partial(P.resize, len_axes, n) for n in c.cache_lens}
     self._copy_row = functools.partial(P.copy_row, batch_axes)
+    self._swap_rows = functools.partial(P.swap_rows, batch_axes)
     self.score_fn = functools.partial(P.score, fns)
     self.state = P.DeviceState(
         params=params, cache=model.init_cache(batch_size=c.num_slots, max_len=self.policy.length))
@@ -123,6 +124,9 @@ class Scheduler:
   def _decode_step(self, decoding: list[Slot]) -> None:
     c = self.config
     t0 = time.perf_counter()
+    for a, b in self.table.compaction():   # rows follow the active requests, not the highest
+      self.state = self.state.replace(
+          cache=self._swap_rows(self.state.cache, np.int32(a), np.int32(b)))
     R = bucket(c.decode_rows, max(s.index for s in decoding) + 1)
     self._ensure_cache_len(self.table.held_need(), allow_shrink=True)
     batch = P.DecodeBatch.zeros(R)
@@ -180,7 +184,10 @@ class Scheduler:
     for S in lens:
       cache = self._init_cache(batch_size=c.num_slots, max_len=S)
       for R in c.decode_rows:
-        cache, _, _ = self._decode(params, cache, P.DecodeBatch.zeros(R), P.sampling_arrays(R))
+        # Called as the steps call them: penalties passed (None), since jit keys on the
+        # arguments' structure and an omitted argument is another program.
+        cache, _, _ = self._decode(params, cache, P.DecodeBatch.zeros(R), P.sampling_arrays(R),
+                                   None)
         if verbose:
           log.info("warmup decode S=%d R=%d", S, R)
       for rows in c.prefill_rows:
@@ -190,12 +197,13 @@ class Scheduler:
           batch = P.PrefillBatch.zeros(rows, C)
           cache, logits = self._prefill(params, cache, batch)
           if S == lens[0] and C == c.chunk_sizes[0]:
-            P.sample(logits, P.sampling_arrays(rows), batch.start_P + batch.n_valid_P)
+            P.sample(logits, P.sampling_arrays(rows), batch.start_P + batch.n_valid_P, None)
       for S2 in lens:
         if S2 != S:
           self._resize[S2](self._init_cache(batch_size=c.num_slots, max_len=S))
       if c.share_prefix_min:
         cache = self._copy_row(cache, np.int32(0), np.int32(0))
+      cache = self._swap_rows(cache, np.int32(0), np.int32(0))
       jax.block_until_ready(cache)
       del cache
 

@@ -297,6 +297,44 @@ class SlotTable:
     self.waiting.extendleft(reversed(blocked))
     return copies
 
+  # ---- compaction ----------------------------------------------------------------------------
+  def compaction(self) -> list[tuple[int, int]]:
+    """Swaps rows so that the decoding slots fill the lowest rows; returns the swaps to make.
+
+    Decoding runs over the first R rows, R the bucket covering the highest decoding slot. A
+    parent keeps its slot (its session) while its children generate, so children sit in high
+    rows and R would count the idle rows below them. When the decoding slots would fit a
+    smaller bucket, each one above it trades rows (KV and all) with a non-decoding slot
+    below it: R then follows the active requests. The table is updated here; the caller
+    swaps the device rows in the same order before the next device call.
+    """
+    decoding = self.decoding()
+    if not decoding:
+      return []
+    rows = self.config.decode_rows
+    want = bucket(rows, len(decoding))
+    if want >= bucket(rows, max(s.index for s in decoding) + 1):
+      return []
+    high = sorted((s for s in decoding if s.index >= want), key=lambda s: -s.index)
+    low = [s for s in self.slots[:want] if s.req is None or not s.req.decoding]
+    swaps = []
+    for h, l in zip(high, low):   # low has room for all of high (see the count in the doc)
+      swaps.append((h.index, l.index))
+      self._swap(h.index, l.index)
+    self.stats["row_swaps"] += len(swaps)
+    return swaps
+
+  def _swap(self, a: int, b: int) -> None:
+    sa, sb = self.slots[a], self.slots[b]
+    self.slots[a], self.slots[b] = sb, sa
+    sa.index, sb.index = b, a
+    for s in (sa, sb):
+      if s.req is not None:
+        s.req.slot = s.index
+    for sid, idx in list(self.sessions.items()):
+      if idx in (a, b):
+        self.sessions[sid] = b if idx == a else a
+
   # ---- batches -------------------------------------------------------------------------------
   def chunk_for(self, slot: Slot) -> int:
     """The prompt chunk bucket slot prefills next."""

@@ -158,7 +158,7 @@ def build_server(argv=None):
     model, tokenizer = load_pretrained(model_name, dtype=args.dtype)
     model_path = model_name
   cfg = dataclasses.replace(cfg, default_stop_token_ids=loading.stop_ids(tokenizer))
-  engine = EmbeddedEngine(model, cfg, weight_version=args.weight_version)
+  engine = EmbeddedEngine(model, cfg, weight_version=args.weight_version, tokenizer=tokenizer)
   if args.warmup:
     log.info("warm-up compiled every shape in %.1f s", engine.warmup())
   info = dict(vars(args))

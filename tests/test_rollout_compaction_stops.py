@@ -1,0 +1,123 @@
+"""Decode rows that follow the active requests (row compaction) and stop strings, in the
+embedded engine: outputs equal the plain model's and kept sessions survive their rows moving."""
+import asyncio
+import collections
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rao_jax.agent import code as code_lib
+from rao_jax.model import Transformer
+from rao_jax.rollout import FinishReason, GenerateRequest, SamplingParams
+from rao_jax.rollout.embedded import EmbeddedEngine
+from rao_jax.rollout.engine.config import EngineConfig
+from rao_jax.rollout.engine.slot_table import Req, SlotTable
+from rao_jax.testing import tiny_config
+
+from tests.test_rollout_embedded import CFG, prompts, reference_greedy
+
+
+class TagTokenizer:
+  """Each id decodes to "<id>": a stop string can span tokens and match mid-token."""
+
+  def decode(self, ids, skip_special_tokens=True):
+    del skip_special_tokens
+    return "".join(f"<{int(i)}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(tiny_config(), rngs=nnx.Rngs(0))
+
+
+def greedy(n, **kw):
+  return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def test_compaction_moves_decoding_slots_down_and_keeps_the_maps():
+  t = SlotTable(EngineConfig(num_slots=8, max_len=64, cache_lens=(64,), chunk_sizes=(4,),
+                             prefill_rows=(1,), decode_rows=(1, 2, 4, 8), share_prefix_min=0),
+                collections.Counter())
+  reqs = [Req(rid=f"r{i}", prompt=[i + 1] * 3, params=greedy(4), limit=60,
+              session_id=f"s{i}") for i in range(7)]
+  t.waiting.extend(reqs)
+  t.admit()
+  for s in t.slots[:7]:
+    t.prefilled([s], [s.req.prompt])
+  for r in reqs[:5]:                   # five finish their turn and keep their sessions
+    r.done = True
+    t.release(r)
+  before = {s.session or s.req.rid: list(s.tokens) for s in t.slots if s.tokens}
+  swaps = t.compaction()               # r5, r6 decode in rows 5, 6: bucket 8, fits 2
+  assert sorted(r.slot for r in reqs[5:]) == [0, 1] and len(swaps) == 2
+  assert all(t.slots[r.slot].req is r for r in reqs[5:])
+  for sid, idx in t.sessions.items():  # each kept session is found where its KV went
+    assert t.slots[idx].session == sid and t.slots[idx].tokens == before[sid]
+  assert t.compaction() == []          # already compact
+  assert t.stats["row_swaps"] == 2
+
+
+def test_decode_rows_follow_active_requests_and_sessions_survive(model):
+  cfg = dict(CFG)                      # 4 slots, decode rows (1, 4)
+  ps = prompts(4, [9, 12, 7, 10], seed=5)
+
+  async def go():
+    eng = EmbeddedEngine(model, **cfg)
+    first = [await eng.generate(GenerateRequest(p, greedy(4), session_id=f"s{i}"))
+             for i, p in enumerate(ps[:3])]       # three kept sessions in rows 0-2
+    rows0, calls0 = eng.stats["decode_rows"], eng.stats["decode_calls"]
+    lone = await eng.generate(GenerateRequest(ps[3], greedy(6)))      # row 3, alone
+    lone_rows = (eng.stats["decode_rows"] - rows0) / (eng.stats["decode_calls"] - calls0)
+    swaps = eng.stats["row_swaps"]
+    nxt = []
+    for i, (p, r) in enumerate(zip(ps[:3], first)):    # each session's next turn
+      h = p + r.token_ids + [31, 32]
+      nxt.append((h, await eng.generate(GenerateRequest(h, greedy(4), session_id=f"s{i}"))))
+    await eng.close()
+    return lone, lone_rows, swaps, nxt
+
+  lone, lone_rows, swaps, nxt = asyncio.run(go())
+  assert swaps >= 1 and lone_rows == 1.0    # one active request decodes one row
+  assert lone.token_ids == reference_greedy(model, ps[3], 6)
+  for h, r in nxt:
+    assert r.cached_tokens == len(h) - 3     # its KV moved with it, still reused
+    assert r.token_ids == reference_greedy(model, h, 4)
+
+
+def test_stop_strings_end_at_the_completing_token(model):
+  p = prompts(1, [11], seed=7)[0]
+  tok = TagTokenizer()
+
+  async def go(params, tokenizer=tok):
+    eng = EmbeddedEngine(model, **CFG, tokenizer=tokenizer)
+    try:
+      return await eng.generate(GenerateRequest(p, params))
+    finally:
+      await eng.close()
+
+  full = asyncio.run(go(greedy(16, stop_token_ids=())))
+  ids = full.token_ids
+  # A stop string spanning tokens 5 and 6 and ending inside token 6's text.
+  stop = f"{ids[5]}><{str(ids[6])[:1]}"
+  n = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+  cut = asyncio.run(go(greedy(16, stop_token_ids=(), stop=(stop, "never-there"))))
+  assert cut.token_ids == ids[:n] and cut.finish_reason == FinishReason.STOP and n <= 7
+  missed = asyncio.run(go(greedy(16, stop_token_ids=(), stop=("never-there",))))
+  assert missed.token_ids == ids and missed.finish_reason == FinishReason.LENGTH
+  with pytest.raises(ValueError, match="tokenizer"):
+    asyncio.run(go(greedy(4, stop=("x",)), tokenizer=None))
+  with pytest.raises(ValueError, match="stop"):
+    SamplingParams(stop=("",))
+
+
+def test_a_cell_stops_where_it_closes():
+  # The agent's stop string on real cell text: a turn that runs on after its closing fence
+  # ends at the newline after it, with the whole cell kept.
+  text = "Plan.\n```python\nprint(craft('x'))\nfinish('done')\n```\nNow I will also"
+  (stop,) = code_lib.CELL_CLOSE_STOP
+  end = text.index(stop) + len(stop)
+  assert code_lib.extract_code(text[:end]) == "print(craft('x'))\nfinish('done')"
+  assert stop not in text[:end - 1]         # nothing earlier (the opening fence) matches
+  ok = np.array([stop in text[:k] for k in range(len(text) + 1)])
+  assert ok.argmax() == end
