@@ -77,10 +77,11 @@ def config_for(mode: str, s: dict):
   c.rollout.num_slots = s["slots"]
   c.learner.row_len = s["ctx"]
   c.learner.micro_batch_rows = 1
-  # Few row counts (each new one compiles the step: a minute or more on 2 cores); rows that
-  # only pad a bucket cost nothing (the step skips micro-batches without loss tokens).
-  c.learner.bucket_rows = (4, 8, 16, 32, 64)
-  c.model.remat = "dots"
+  # One row count (each compiles the step: a minute or more on 2 cores, at warm-up): rows that
+  # only pad it cost nothing (the step skips micro-batches without loss tokens), and 128 rows
+  # of the window hold any step's trees (8 recursive trees of ~5 agents use ~20).
+  c.learner.bucket_rows = (128,)
+  c.model.remat = "auto"       # the memory plan: "none" where the host has the memory
   c.env.train_difficulty = s["train"]
   c.env.eval_difficulties = s["eval_diffs"]
   c.env.kwargs.tasks_per_difficulty = 100

@@ -165,6 +165,7 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
   diffs = tuple(difficulties or config.env.eval_difficulties)
   os.makedirs(out_dir, exist_ok=True)
   results.update({"num_tasks": n, "env": config.env.name, "modes": {}})
+  results["warmup_s"] = await asyncio.to_thread(X.warm_engine, config, engine)
   repls = X.sandbox_pool(config)
   await repls.start()
   all_trees, sampled_trees = [], []

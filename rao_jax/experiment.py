@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -106,7 +107,8 @@ def runner_config(config, *, recursive: bool | None = None, greedy: bool = False
       temperature=float(a.eval_temperature if greedy else a.temperature),
       top_p=1.0 if greedy else float(a.top_p),
       seed=seed,
-      tree_step_budget=int(a.tree_step_budget) or None)
+      tree_step_budget=int(a.tree_step_budget) or None,
+      stop_at_cell_close=bool(a.stop_at_cell_close))
 
 
 def sandbox_pool(config):
@@ -130,6 +132,58 @@ def _dtype(name: str):
     raise ValueError(f"config.model.dtype={name!r}: use 'auto', 'float32' or 'bfloat16'.") from e
 
 
+def compile_cache_dir(config) -> str | None:
+  """The persistent compilation cache folder of `config.compile_cache`, or None (off).
+
+  "auto": `$XDG_CACHE_HOME/rao_jax/xla` (default ~/.cache/rao_jax/xla), shared by every run of
+  this user: a run, its resume, its evaluation and the next experiment load the programs the
+  first one compiled (minutes on 2 CPU cores) instead of compiling them again.
+  """
+  value = str(config.get("compile_cache", "auto") if hasattr(config, "get") else "auto")
+  if not value:
+    return None
+  if value == "auto":
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rao_jax", "xla")
+  return os.path.abspath(os.path.expanduser(value))
+
+
+def use_compile_cache(config) -> str | None:
+  """Turns on JAX's persistent compilation cache at `compile_cache_dir(config)`; returns the
+  folder in use. A cache the environment already chose (JAX_COMPILATION_CACHE_DIR, or an
+  earlier call) is kept. Call it before the first compilation: JAX reads the setting once."""
+  import jax  # pylint: disable=g-import-not-at-top
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  path = compile_cache_dir(config)
+  if path is None:
+    return None
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    log.warning("config.compile_cache=%r: cannot create %s (%s); compiling without a "
+                "persistent cache.", config.get("compile_cache"), path, e)
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Programs that compile in under a second are not worth a file each.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return path
+
+
+def warm_engine(config, engine) -> float:
+  """Compiles the embedded engine's shapes up to the run's cache length before any request
+  (`config.warmup`); seconds spent (0 for engines that compile elsewhere, e.g. SGLang)."""
+  if not (config.get("warmup", True) and hasattr(engine, "warmup")):
+    return 0.0
+  t0 = time.perf_counter()
+  engine.warmup(max_cache_len=int(config.rollout.max_cache_len))
+  s = time.perf_counter() - t0
+  log.info("engine warm-up: every rollout shape compiled (or loaded from the compilation "
+           "cache) in %.1f s", s)
+  return s
+
+
 def load_policy(config):
   """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder).
 
@@ -141,11 +195,39 @@ def load_policy(config):
   # The first call that starts JAX's backends in every entry point: malloc is set before it,
   # and only where the CPU computes (see rao_jax/host_memory.py).
   host_memory.keep_freed_memory()
+  use_compile_cache(config)
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
+  remat = str(config.model.remat)
+  if remat not in ("auto", "none", "dots", "full"):
+    raise ValueError(f"config.model.remat={remat!r}: use auto (the memory plan chooses), none, "
+                     "dots or full.")
   # A run's config.json written before config.model.kernels existed reads as "auto".
-  return load_pretrained(config.model.name, dtype=_dtype(config.model.dtype),
-                         param_dtype="float32", remat=config.model.remat,
-                         kernels=config.model.get("kernels", "auto"))
+  model, tokenizer = load_pretrained(config.model.name, dtype=_dtype(config.model.dtype),
+                                     param_dtype="float32",
+                                     remat="none" if remat == "auto" else remat,
+                                     kernels=config.model.get("kernels", "auto"))
+  if remat == "auto":
+    # The model's shapes are known now; remat is read when the step is traced, later.
+    model.cfg = dataclasses.replace(model.cfg, remat=planned_remat(config, model.cfg))
+  return model, tokenizer
+
+
+def planned_remat(config, model_cfg) -> str:
+  """The learner's remat for ``config.model.remat="auto"``: the least recomputation whose
+  step fits this device's memory (``rao_jax.learner.memory``), for the run's row length and
+  micro-batch rows per device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from rao_jax.learner import memory  # pylint: disable=g-import-not-at-top
+  spec = str(config.learner.mesh)
+  if spec == "auto":
+    mesh_rows, shards, tensor = jax.device_count(), 1, 1
+  else:
+    mesh = make_mesh(spec)
+    mesh_rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards, tensor = mesh.shape["fsdp"] * mesh.shape["tensor"], mesh.shape["tensor"]
+  micro = max(int(config.learner.micro_batch_rows), 1)
+  rows = -(-micro // mesh_rows)
+  return memory.plan_remat(model_cfg, _row_len(config), rows, shards=shards, tensor=tensor)
 
 
 def make_mesh(spec: str):
@@ -188,10 +270,12 @@ def learner_config(config, workdir: str, *, sft: bool = False):
   mesh_rows = _mesh_rows(config.learner.mesh)
   micro = max(int(config.learner.micro_batch_rows), 1)
   micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
-  # Row-count buckets ~1.5x apart: little padding, and each compiles once per run.
-  # Explicit buckets are rounded up to whole micro-batches (the mesh may force a larger one).
+  # Row-count buckets 4x apart: the step skips micro-batches of padding rows (no forward, no
+  # backward, no accumulation), so a coarse ladder costs almost nothing, and each bucket is one
+  # compilation at warm-up. Explicit buckets are rounded up to whole micro-batches (the mesh
+  # may force a larger one).
   buckets = tuple(sorted({-(-int(b) // micro) * micro for b in config.learner.bucket_rows})
-                  ) or tuple(micro * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+                  ) or tuple(micro * m for m in (1, 4, 16, 64))
   return LearnerConfig(
       loss="rao" if sft else config.rl.loss,
       lam=float(config.rl.lam),
@@ -342,7 +426,8 @@ def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
   kind = config.rollout.engine
   if kind == "embedded":
     from rao_jax.rollout.engine import EmbeddedEngine  # pylint: disable=g-import-not-at-top
-    return EmbeddedEngine(model, engine_config(config), weight_version=weight_version)
+    return EmbeddedEngine(model, engine_config(config), weight_version=weight_version,
+                          tokenizer=tokenizer)
   if kind == "sglang":
     from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
     urls = list(config.rollout.urls)

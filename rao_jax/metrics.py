@@ -8,9 +8,48 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Mapping
 
 from rao_jax.agent import view
+
+
+# JAX's duration events of one compilation: tracing, lowering, XLA's compile, and loading the
+# executable from the persistent cache instead.
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+class CompileClock:
+  """Seconds this process spent compiling, from JAX's monitoring events (any thread).
+
+  ``compile_clock()`` gives the process's one clock (a JAX listener cannot be removed, so it is
+  registered once). ``between(a, b)`` sums compilations that ended in [a, b] (perf_counter).
+  """
+
+  def __init__(self):
+    import jax  # pylint: disable=g-import-not-at-top
+    self.events: list[tuple[float, float]] = []
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, event, duration, **kwargs):
+    del kwargs
+    if event in COMPILE_EVENTS:
+      self.events.append((time.perf_counter(), float(duration)))
+
+  def between(self, a: float, b: float) -> float:
+    return sum(d for t, d in self.events if a <= t <= b)
+
+
+_CLOCK: list[CompileClock] = []
+
+
+def compile_clock() -> CompileClock:
+  if not _CLOCK:
+    _CLOCK.append(CompileClock())
+  return _CLOCK[0]
 
 
 class MetricsWriter:
@@ -58,6 +97,43 @@ def read_metrics(path: str) -> list[dict]:
   return rows
 
 
+_NAMES = {"success": "success", "reward": "root reward", "rl/root_reward_mean": "root reward", "delegating_share": "share of trees delegating"}
+_SOURCES = {"train": "sampled trees", "eval": "held-out, greedy"}
+
+
+def metric_label(key: str) -> str:
+  """A readable name for a metric key: "train/success_medium" -> "success on medium (sampled
+  trees)"."""
+  src, _, name = key.partition("/")
+  where = _SOURCES.get(src)
+  if where is None:
+    src, name, where = "", key, ""
+  if name in _NAMES:
+    text = _NAMES[name]
+  elif name.startswith("success_"):
+    text = f"success on {name[len('success_'):].replace('_', ' ')}"
+  else:
+    text = name.replace("/", " ").replace("_", " ")
+  return f"{text} ({where})" if where else text
+
+
+def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
+                ) -> list[tuple[str, list[tuple[int, float]]]]:
+  """(label, points) of each curve to draw. Curves with the same points are drawn once, under
+  a label naming all of them ("a = b"), so none hides under another."""
+  if keys is None:
+    keys = sorted({k for r in rows for k in r
+                   if k != "step" and ("reward" in k or "success" in k or
+                                       k.endswith("delegating_share")) and "depth" not in k})
+  merged: dict[tuple, list[str]] = {}
+  for k in keys:
+    pts = tuple((r["step"], r[k]) for r in rows if r.get(k) is not None)
+    labels = merged.setdefault(pts, []) if pts else None
+    if pts and metric_label(k) not in labels:
+      labels.append(metric_label(k))
+  return [(" = ".join(labels), list(pts)) for pts, labels in merged.items()]
+
+
 def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -> str | None:
   """Plots reward and success curves over steps from a metrics JSONL file into a PNG.
 
@@ -67,20 +143,15 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  rows = read_metrics(path)
-  if keys is None:
-    keys = sorted({k for r in rows for k in r
-                   if k != "step" and ("reward" in k or "success" in k or
-                                       k.endswith("delegating_share")) and "depth" not in k})
-  series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
-  series = {k: v for k, v in series.items() if v}
+  series = plot_series(read_metrics(path), keys)
   if not series:
     return None
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  for k, pts in series.items():
+  styles = ("-", "--", ":", "-.")
+  for i, (label, pts) in enumerate(series):
     xs, ys = zip(*pts)
-    ax.plot(xs, ys, marker="o", markersize=3, label=k)
-  ax.set_xlabel("step")
+    ax.plot(xs, ys, marker="o", markersize=3, linestyle=styles[i % len(styles)], label=label)
+  ax.set_xlabel("RL step")
   ax.set_ylabel("value")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, loc="best")

@@ -373,6 +373,10 @@ class Trainer:
     total = self.rl.total_steps
     state = RunState(step=self.start_step, guard=NonFiniteGuard(self.rl.max_nonfinite_steps))
     await self.sync_weights(state.step)
+    # After the first sync: the engine's programs are specialised to the synced weights' arrays
+    # (warmed on the weights it was built with, step 1 compiled them all again).
+    if c.get("warmup", True) and state.step < total:
+      state.warmup_s = await asyncio.to_thread(self.warmup)
     hooks = self.hooks(repls, stopper, state)
     stopped = False
     try:
@@ -400,6 +404,17 @@ class Trainer:
     return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
             "workdir": self.workdir}
 
+  def warmup(self) -> float:
+    """Compiles every shape of the rollout engine and of the learner's step (row buckets)
+    before step 1, so that no step compiles (with the persistent compilation cache, a later
+    run loads them); returns the seconds spent."""
+    t0 = time.perf_counter()
+    engine_s = X.warm_engine(self.config, self.engine)
+    learner_s = self.learner.warmup()
+    log.info("warm-up: engine %.1f s, learner (%d row buckets) %.1f s", engine_s,
+             len(self.learner.cfg.bucket_rows), learner_s)
+    return time.perf_counter() - t0
+
   async def rl_step(self, runner, state: "RunState", guard=None) -> dict[str, float]:
     """One RL step: collect the trees of step `state.step`, prepare the batch, update the
     learner, give the engine the new weights; advances `state.step` and returns the step's
@@ -411,7 +426,9 @@ class Trainer:
     """
     guard = guard or (lambda coro: coro)
     step, t_step = state.step, time.perf_counter()
+    clock = metrics_lib.compile_clock()
     trees, rstats, every, faults = await guard(self._batch_for(runner, state))
+    rollout_compile_s = clock.between(t_step, time.perf_counter())
     staleness = record_staleness(every, step)
     if self.main:
       R.save_trees_jsonl(os.path.join(self.trees_dir, f"step_{step:06d}.jsonl"), every)
@@ -428,6 +445,7 @@ class Trainer:
       # Adam step on zeros would still move the weights along its momentum, so it is skipped.
       lmetrics = {"skipped": 1.0}
     learn_s = time.perf_counter() - t_learn
+    learner_compile_s = clock.between(t_learn, t_learn + learn_s)
     state.step = step + 1
     sync_s = await self.sync_weights(state.step)
 
@@ -438,14 +456,20 @@ class Trainer:
          "success": success,
          "time/rollout_s": rstats.wall_s, "time/learner_s": learn_s,
          "time/sync_s": sync_s, "time/step_s": time.perf_counter() - t_step,
-         "rollout/tokens_per_s": rstats.tokens_per_s,
+         # Compilation (none after warm-up) is reported apart, not inside the rates.
+         "time/rollout_compile_s": rollout_compile_s,
+         "time/learner_compile_s": learner_compile_s,
+         "rollout/tokens_per_s": rstats.generated_tokens
+                                 / max(rstats.wall_s - rollout_compile_s, 1e-9),
          "rollout/generated_tokens": rstats.generated_tokens,
          # Every token of a packed row costs the learner (prompts and observations too).
          "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
-                                 / max(learn_s, 1e-9),
+                                 / max(learn_s - learner_compile_s, 1e-9),
          # The learning-rate schedule's position: updates actually applied.
          "learner/applied_updates": float(self.learner.step_count),
          f"success_{self.config.env.train_difficulty}": success}
+    if state.warmup_s is not None:
+      m["time/warmup_s"], state.warmup_s = state.warmup_s, None
     m.update(staleness)
     m.update({f"faults/{k}": float(v) for k, v in faults.items()})
     m.update({f"faults/total_{k}": float(v) for k, v in state.fault_totals.items()})
@@ -528,12 +552,14 @@ class RunState:
     fault_totals: fault counters summed over the run.
     next_batch: with overlap, the collection of `step`'s trees started during the last update.
     last_eval: the newest evaluation's metrics.
+    warmup_s: seconds of the warm-up before the first step, reported with that step.
   """
   step: int
   guard: "NonFiniteGuard"
   fault_totals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   next_batch: asyncio.Future | None = None
   last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+  warmup_s: float | None = None
 
 
 class _NoMetrics:

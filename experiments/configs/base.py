@@ -24,13 +24,16 @@ def parse_arg(arg: str | None) -> dict[str, str]:
 def base_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.seed = 0                         # root seed: task sampling, sampling RNG, init
+  c.compile_cache = "auto"           # persistent XLA compilation cache: "auto" (the user cache
+                                     # folder, ~/.cache/rao_jax/xla), a folder, or "" (off)
+  c.warmup = True                    # compile the engine's and learner's shapes before step 1
   c.total_steps = 100                # RL steps (one learner update per step)
 
   c.model = config_dict.ConfigDict()
   c.model.name = "smollm2-135m"      # registry name, GGUF file, or HF checkpoint folder
   c.model.dtype = "auto"             # "auto": float32 on CPU, bfloat16 on GPU/TPU
-  c.model.remat = "full"             # learner activation checkpointing: none | dots | full
-                                     # (rows of 2K+ tokens need "full": attention is T x T)
+  c.model.remat = "auto"             # learner activation checkpointing: auto (the least
+                                     # recompute the memory plan fits) | none | dots | full
   c.model.kernels = "auto"           # CPU products and attention: auto (MKL on Intel CPUs) |
                                      # mkl (any x86 CPU) | xla (ModelConfig.kernels)
 
@@ -56,6 +59,7 @@ def base_config() -> config_dict.ConfigDict:
                                      # children reserve from it; 0 = the task's budget only
   c.agent.max_live_agents = 16       # concurrent agents per tree
   c.agent.max_new_tokens = 512       # tokens per generated turn
+  c.agent.stop_at_cell_close = True  # a turn ends where its code cell closes (stop strings)
   c.agent.temperature = 1.0          # rollout sampling temperature (learner uses the same)
   c.agent.top_p = 1.0
   c.agent.eval_temperature = 0.0     # greedy evaluation
@@ -100,7 +104,7 @@ def base_config() -> config_dict.ConfigDict:
                                      # (a node never exceeds it, so every node fits a row)
   c.learner.micro_batch_rows = 4     # rows per micro-batch (gradient accumulation over them)
   c.learner.bucket_rows = ()         # row counts a batch is padded to (each compiles once);
-                                     # () = micro x (1, 2, 3, 4, 6, 8, 12, ..., 64)
+                                     # () = micro x (1, 4, 16, 64)
   c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
 
   c.rollout = config_dict.ConfigDict()

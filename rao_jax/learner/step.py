@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Mapping
+import time
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 BATCH_KEYS_2D = ("tokens_BxT", "targets_BxT", "positions_BxT", "segment_ids_BxT",
                  "loss_mask_BxT", "coef_BxT", "kl_weight_BxT", "rollout_logp_BxT")
+_FLOAT_KEYS = ("coef_BxT", "kl_weight_BxT", "rollout_logp_BxT")
 
 # Incremented each time `train_step` is TRACED (every trace is one compilation); tests read it
 # to prove a run never recompiles after warm-up.
@@ -116,8 +118,10 @@ def _forward(graphdef, params, mb):
 
 
 def _logprobs(graphdef, params, mb, temperature):
+  # Log-probs of the loss positions only (0 elsewhere): the LM head skips the prompts.
   model, hidden_BxTxD = _forward(graphdef, params, mb)
-  return token_logprobs(model, hidden_BxTxD, mb["targets_BxT"], temperature=temperature)
+  return token_logprobs(model, hidden_BxTxD, mb["targets_BxT"], temperature=temperature,
+                        mask_BxT=mb["loss_mask_BxT"])
 
 
 def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer, graphdef,
@@ -144,7 +148,7 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
     model, hidden_BxTxD = _forward(graphdef, params, mb)
     pg_sum, logp_BxT = token_logprob_sum(
         model, hidden_BxTxD, mb["targets_BxT"], jnp.where(mask, -mb["coef_BxT"], 0.0),
-        temperature=cfg.temperature)
+        temperature=cfg.temperature, mask_BxT=mask)
     aux = {}
   else:
     logp_BxT = _logprobs(graphdef, params, mb, cfg.temperature)
@@ -194,22 +198,21 @@ def loss_and_grads(params, ref_params, batch: Mapping[str, jax.Array], statics: 
       params, ref_params, first, normalizer, statics.graphdef, cfg)[1])
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
-  def compute(mb):
+  def compute(carry, mb):
+    g_acc, l_acc, a_acc = carry
     (loss, aux), g = grad_fn(params, ref_params, mb, normalizer, statics.graphdef, cfg)
-    return loss, aux, jax.tree.map(lambda b: b.astype(jnp.float32), g)
+    g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+    return g_acc, l_acc + loss, jax.tree.map(jnp.add, a_acc, aux)
 
-  def skip(mb):
+  def skip(carry, mb):
     del mb
-    return jnp.float32(0.0), zero_aux, zero_grads
+    return carry
 
   def body(carry, mb):
-    g_acc, l_acc, a_acc = carry
     # A micro-batch of padding rows (the batch was padded up to a bucket_rows count) has no
-    # loss tokens and contributes exactly zero: skip its forward and backward passes.
-    loss, aux, g = jax.lax.cond(jnp.any(mb["loss_mask_BxT"]), compute, skip, mb)
-    g_acc = jax.tree.map(jnp.add, g_acc, g)
-    a_acc = jax.tree.map(jnp.add, a_acc, aux)
-    return (g_acc, l_acc + loss, a_acc), None
+    # loss tokens and contributes exactly zero: skip its forward and backward passes, and the
+    # accumulation too (adding a zero gradient still reads and writes every parameter's sum).
+    return jax.lax.cond(jnp.any(mb["loss_mask_BxT"]), compute, skip, carry, mb), None
 
   (grads, loss, aux), _ = jax.lax.scan(body, (zero_grads, jnp.float32(0.0), zero_aux), micro)
   return loss, grads, aux
@@ -440,6 +443,28 @@ class Learner:
     out["step"] = float(step_before + 1)
     out.update({f"batch/{k}": float(v) for k, v in stats.items()})
     return out
+
+  def warmup(self, rows: Sequence[int] | None = None) -> float:
+    """Compiles the step for each row count (default every `cfg.bucket_rows`) before training,
+    so no step compiles; returns the seconds spent.
+
+    Each compilation runs once on a batch of padding rows (no loss token, so every micro-batch
+    is skipped) and a copy of the state: the parameters, optimizer and step are untouched.
+    """
+    t0 = time.perf_counter()
+    T = self.cfg.row_len
+    for B in rows or self.cfg.bucket_rows:
+      if B not in self.cfg.bucket_rows:
+        raise ValueError(f"Learner.warmup: {B} rows is not one of LearnerConfig.bucket_rows="
+                         f"{self.cfg.bucket_rows}.")
+      arrays = {k: np.zeros((B, T), np.float32 if k in _FLOAT_KEYS else
+                            bool if k == "loss_mask_BxT" else np.int32) for k in BATCH_KEYS_2D}
+      arrays["normalizer"] = np.float32(1.0)
+      scratch = jax.tree.map(jnp.copy, self.state)    # donated by the step
+      out = self._step_fn(scratch, jax.device_put(arrays, self._batch_shardings))
+      jax.block_until_ready(out)
+      del out, scratch
+    return time.perf_counter() - t0
 
   # ---- weights for the rollout engine ---------------------------------------------------------
   @property
