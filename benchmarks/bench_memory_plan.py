@@ -36,13 +36,14 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rao_jax.learner import LearnerConfig  # noqa: E402
+from rao_jax.learner import memory  # noqa: E402
 from rao_jax.learner import step as step_lib  # noqa: E402
 from rao_jax.model import ModelConfig, sharding  # noqa: E402
-from rao_jax.model.transformer import Transformer, layer_param_shapes  # noqa: E402
+from rao_jax.model.transformer import Transformer  # noqa: E402
 
 GB = 1e9
 CHIPS = {"h200": 141e9, "tpu_v5p": 95e9, "tpu_v5e": 16e9}
-HEADROOM = 0.9                       # XLA's own buffers, fragmentation, the runtime
+HEADROOM = memory.HEADROOM
 FSDP, TENSOR = 4, 2
 MODELS = {
     "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
@@ -64,7 +65,7 @@ MODELS = {
                      tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
                      max_position_embeddings=40960),
 }
-REMATS = ("none", "dots", "full")
+REMATS = memory.REMATS
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
@@ -73,48 +74,14 @@ def model_config(name: str, **overrides) -> ModelConfig:
 
 
 def n_params(cfg: ModelConfig) -> tuple[int, int]:
-  """(all parameters, parameters of one layer)."""
-  per_layer = sum(int(jnp.prod(jnp.asarray(s[1:]))) for s in layer_param_shapes(cfg).values())
-  head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-  return cfg.vocab_size * cfg.d_model + head + cfg.d_model + cfg.n_layers * per_layer, per_layer
+  return memory.n_params(cfg)
 
 
 def estimate(cfg: ModelConfig, T: int, rows: int, remat: str) -> dict[str, float]:
-  """Per-device bytes of one train step on the fsdp x tensor mesh, with flash attention.
-
-  rows: rows of one micro-batch per device. Parameters, moments and the float32 gradient
-  accumulator are sharded over all devices; a micro-batch's gradient is a second such copy
-  while it is added in. Activations: what the backward pass keeps per layer (remat "full":
-  the block input; "dots": the outputs of the products; "none": every intermediate), one
-  layer's working set in the backward pass, one bf16 copy of a layer's gathered weights, and
-  the LM head's [chunk, V / tensor] float32 logits. The attention kernels keep O(T) per head.
-  """
-  n = FSDP * TENSOR
-  P, P_layer = n_params(cfg)
-  D, F, V, L = cfg.d_model, cfg.mlp_dim // TENSOR, cfg.vocab_size, cfg.n_layers
-  qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // TENSOR
-  attn = cfg.n_heads * cfg.head_dim // TENSOR
-  tok = rows * T
-  bf, f32 = 2, 4
-  saved_per_token = {
-      "full": D * bf,
-      "dots": D * bf + (qkv + attn + D + 3 * F) * bf,
-      "none": D * bf * 4 + (2 * qkv + 2 * attn + D + 5 * F) * bf + attn // cfg.head_dim * f32,
-  }[remat]
-  # One layer recomputed and differentiated: its intermediates and their gradients, a few
-  # float32 (norms, the MLP's gate) and the residual stream's gradient.
-  working_per_token = (2 * qkv + 2 * attn + 6 * F) * bf + 4 * D * f32
-  lse = cfg.n_heads // TENSOR * f32 * 2
-  logits = min(cfg.logits_chunk, tok) * V // TENSOR * f32 * 3
-  out = {
-      "params": P * f32 / n,
-      "optimizer": 2 * P * f32 / n,
-      "gradients": 2 * P * f32 / n,
-      "weights_bf16_layer": 2 * P_layer * bf / TENSOR,
-      "activations": tok * (L * (saved_per_token + lse) + working_per_token) + logits,
-  }
-  out["total"] = sum(out.values())
-  return out
+  """Per-device bytes of one train step on the fsdp x tensor mesh (``rao_jax.learner.memory``,
+  the plan the learner's remat="auto" uses), bfloat16 activations."""
+  return memory.estimate(cfg, T, rows, remat, shards=FSDP * TENSOR, tensor=TENSOR,
+                         act_dtype="bfloat16")
 
 
 def train_step_program(cfg: ModelConfig, T: int, rows: int, mesh):

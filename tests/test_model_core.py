@@ -338,3 +338,38 @@ def test_mlp_custom_gradient_matches_autodiff():
   ref = jax.grad(lambda *a: jnp.sum(ref_mlp(*a) * w), argnums=(0, 1, 2, 3))(*args)
   for a, b in zip(ours, ref):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lm_head_on_loss_positions_only_matches_all_positions(fused):
+  """With a loss mask, only masked positions go through the LM head (gathered first, the other
+  chunks skipped): the same sum, log-probs and gradients as over every position, and 0 where
+  the mask is off."""
+  model = _model("llama")
+  B, T = 2, 16
+  tokens = _tokens(B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+  mask = jnp.zeros((B, T), bool).at[0, 3:7].set(True).at[1, 10:12].set(True)   # 6 of 32
+  coef = jnp.where(mask, jax.random.normal(jax.random.key(5), (B, T)), 0.0)
+
+  def ours(m):
+    h = m(tokens, pos, seg)
+    if fused:
+      return token_logprob_sum(m, h, tokens, coef, chunk=4, mask_BxT=mask)
+    lp = token_logprobs(m, h, tokens, chunk=4, mask_BxT=mask)
+    return jnp.sum(coef * lp), lp
+
+  def reference(m):
+    h = m(tokens, pos, seg)
+    lp = token_logprobs(m, h, tokens)
+    return jnp.sum(coef * lp), lp
+
+  (total, logp), g = nnx.jit(nnx.value_and_grad(ours, has_aux=True))(model)
+  (ref_total, ref_logp), ref_g = nnx.jit(nnx.value_and_grad(reference, has_aux=True))(model)
+  np.testing.assert_allclose(total, ref_total, rtol=1e-5)
+  np.testing.assert_allclose(np.where(mask, logp, 0.0), np.where(mask, ref_logp, 0.0),
+                             rtol=1e-5, atol=1e-5)
+  assert float(np.abs(np.asarray(logp)[~np.asarray(mask)]).max()) == 0.0
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()) + 1e-7, rtol=1e-4)

@@ -157,6 +157,30 @@ def test_attention_matches_xla_values_and_gradients(B, T, H, K, h):
 
 
 @needs_mkl
+def test_attention_skips_earlier_segments_exactly():
+  # A query block reads keys from the first position of its segments on: many short segments
+  # (most blocks start past key 0, some span a block boundary), a segment id that comes back
+  # after another one (the start is its FIRST occurrence), and padding at the end.
+  B, T, H, K, h = 2, 400, 4, 2, 16
+  q, k, v, w = _qkv(B, T, H, K, h)
+  seg = np.zeros((B, T), np.int32)
+  seg[0, :390] = 1 + np.arange(390) // 90            # 5 segments of 90, then 10 of padding
+  seg[1, :] = 1
+  seg[1, 150:260] = 2
+  seg[1, 260:] = 1                                   # id 1 again: sees keys 0..149 as well
+  seg = jnp.asarray(seg)
+  ours = lambda q, k, v: mkl_attention.causal_attention(q, k, v, seg)   # noqa: E731
+  ref = lambda q, k, v: _xla_attention(q, k, v, seg)                    # noqa: E731
+  np.testing.assert_allclose(jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v), atol=2e-5, rtol=1e-4)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)     # noqa: E731
+  got = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v)
+  for name, g_, w_ in zip("qkv", got, want):
+    np.testing.assert_allclose(g_, w_, atol=1e-4 * float(jnp.abs(w_).max()), rtol=1e-4,
+                               err_msg=f"d{name}")
+
+
+@needs_mkl
 def test_attention_never_reads_another_segment_or_a_later_token():
   # Changing keys/values of a later token or of another segment leaves an output unchanged.
   B, T, H, K, h = 3, 150, 6, 2, 16

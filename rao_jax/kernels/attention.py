@@ -9,7 +9,9 @@ GPU, and exporting it for ``cuda`` or ``tpu`` from a CPU host never meets a CPU-
 call (``matmul.dense`` does the same for the MKL product):
 
   * ``cpu``: the MKL kernel (``mkl_attention``, float32, where the ``kernels`` choice takes it:
-    ``mkl.available``), else XLA's blocked attention (``blocked_causal_attention``);
+    ``mkl.available``), which reads each query block's keys from the first position of its
+    segments on (packed rows of short nodes skip most of the lower triangle too), else XLA's
+    blocked attention (``blocked_causal_attention``, causal blocks skipped only);
   * ``tpu``: Pallas splash attention (``tpu_splash_attention``) with the causal mask and the
     segment ids (``SegmentIds``): flash-style, nothing T x T in HBM, fully masked blocks skipped;
   * ``cuda``: the Pallas GPU (Triton) flash attention (``gpu_flash_attention``), which takes
