@@ -108,7 +108,7 @@ def main(argv):
   stages["eval_after"] = _minutes_since(t)
   print(f"      RL {stages['rl']:.1f} min, evaluation {stages['eval_after']:.1f} min", flush=True)
 
-  smol = {}
+  smol = {"rl_steps": rl_summary(os.path.join(root, "rl", "metrics.jsonl"))}
   for diff, b in before["modes"]["recursive"].items():
     a = after["modes"]["recursive"][diff]
     smol[diff] = {"before_rl": round(b["success"], 3), "after_rl": round(a["success"], 3),
@@ -131,6 +131,21 @@ def main(argv):
     json.dump({**result, "outputs": outputs}, f, indent=1)
 
 
+def rl_summary(path: str) -> list[dict]:
+  """Per RL step: sampled success, whether the learner updated, its seconds and tokens/s."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  out = []
+  for m in metrics_lib.read_metrics(path):
+    if "train/success" not in m:
+      continue
+    out.append({"step": m["step"], "sampled_success": m["train/success"],
+                "updated": not m.get("train/learner/skipped"),
+                "learner_s": round(m.get("train/time/learner_s", 0.0), 1),
+                "learner_tokens_per_s": round(m.get("train/learner/tokens_per_s", 0.0), 1),
+                "rollout_tokens_per_s": round(m.get("train/rollout/tokens_per_s", 0.0), 1)})
+  return out
+
+
 def _minutes_since(t: float) -> float:
   return round((time.time() - t) / 60, 1)
 
@@ -142,7 +157,14 @@ def print_summary(mic: dict, smol: dict, outputs: dict) -> None:
         f"share of trees that delegate {mic['delegating_first']:.2f} -> "
         f"{mic['delegating_last']:.2f}, helpers' success {mic['helpers_first']:.2f} -> "
         f"{mic['helpers_last']:.2f} (one agent alone answers at most half a task)")
+  for r in smol["rl_steps"]:
+    what = (f"updated in {r['learner_s']:.0f} s at {r['learner_tokens_per_s']:.0f} tokens/s"
+            if r["updated"] else "no update (every group had equal rewards)")
+    print(f"  SmolLM2 RL step {r['step']}: sampled success {r['sampled_success']:.2f}, learner "
+          f"{what}; rollouts {r['rollout_tokens_per_s']:.0f} generated tokens/s")
   for diff, r in smol.items():
+    if diff == "rl_steps":
+      continue
     print(f"  SmolLM2-135M, recursive, {diff}: held-out success {r['before_rl']:.2f} before RL, "
           f"{r['after_rl']:.2f} after 2 RL steps, on {r['num_tasks']} tasks (too few steps and "
           "tasks to measure a change: see experiments/learning_evidence.py and "

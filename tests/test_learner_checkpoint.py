@@ -1,5 +1,6 @@
 """Orbax checkpoints of the learner: round trip, exact resume, SIGKILL mid-save, 8 -> 1 devices."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -135,7 +136,7 @@ def test_sigkill_during_save_loses_only_that_save(tmp_path):
   assert sorted(os.listdir(ckpt)) == ["1", "2"]
 
 
-def test_restore_params_reads_only_the_policy(tmp_path):
+def test_restore_params_reads_only_the_policy(tmp_path, caplog):
   # What serve --checkpoint and evaluation read: the parameters of a step, into a model's own
   # structure and dtypes, without building a learner or reading the optimizer state.
   import dataclasses
@@ -153,7 +154,11 @@ def test_restore_params_reads_only_the_policy(tmp_path):
   want = snapshot(learner.state.params)
   learner.close()
   target = nnx.state(Transformer(MODEL_CFG, rngs=nnx.Rngs(7)), nnx.Param)
-  got, step = restore_params(str(tmp_path), target)
+  with caplog.at_level(logging.WARNING):
+    got, step = restore_params(str(tmp_path), target)
+  # Orbax's "Item 'meta' was found in the checkpoint, but could not be restored" is noise a
+  # user cannot act on: the metadata item is known, just not read.
+  assert "could not be restored" not in caplog.text
   assert step == 2
   assert jax.tree.structure(got) == jax.tree.structure(target)
   assert_same(snapshot(got), want)

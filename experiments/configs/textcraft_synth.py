@@ -44,7 +44,11 @@ def _demo(c):
   c.model.remat = "none"
   c.total_steps = 2
   c.agent.max_steps_per_agent = 4
-  c.rl.group_size = 2
+  # Groups of 4 sampled at 0.5: at 1.0 the warm start solved 0 of 2 trees in both steps, so no
+  # group held a signal and the learner never ran; cooler samples succeed sometimes and fail
+  # sometimes, which is what a leave-one-out advantage needs.
+  c.agent.temperature = 0.5
+  c.rl.group_size = 4
   c.rl.tasks_per_step = 1
   c.eval.every = 0                      # the demo evaluates before and after RL itself
   c.eval.num_tasks = 2                  # per difficulty; greedy trees of up to 1K tokens

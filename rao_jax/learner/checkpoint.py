@@ -143,8 +143,10 @@ def restore_params(directory: str, params, step: int | None = None) -> tuple[Any
     raise FileNotFoundError(f"No checkpoint directory {directory!r}: train first "
                             "(python -m experiments.train --workdir=...).")
   # A manager of its own: the learner's saves with the "standard" handler, and only the pytree
-  # handler restores part of a tree (the files are the same).
-  mngr = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+  # handler restores part of a tree (the files are the same). "meta" is named too though it is
+  # not read: without its handler, Orbax warns twice that it cannot restore it.
+  mngr = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                         "meta": ocp.JsonCheckpointHandler()})
   try:
     steps = sorted(mngr.all_steps())
     if not steps:
