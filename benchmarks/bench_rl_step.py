@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from absl import app
 from absl import flags
 
@@ -198,7 +200,8 @@ def step_line(st: dict, row_len: int) -> dict:
       "rollout": {
           "wall_s": m["time/rollout_s"],
           "generated_tokens": m["rollout/generated_tokens"],
-          "generated_tokens_per_s": m["rollout/tokens_per_s"],
+          "generated_tokens_per_s": m["rollout/generated_tokens"] / max(m["time/rollout_s"],
+                                                                         1e-9),
           "prefilled_tokens": e.get("prefill_tokens", 0),
           "prefill_padded_tokens": e.get("prefill_padded_tokens", 0),
           "prompt_tokens": e.get("prompt_tokens", 0), "cached_tokens": e.get("cached_tokens", 0),
@@ -220,10 +223,13 @@ def step_line(st: dict, row_len: int) -> dict:
           "real_tokens": m.get("learner/batch/real_tokens", 0.0),
           "padded_tokens": rows_used * row_len,
           "rows": m.get("learner/batch/rows", 0.0), "rows_used": rows_used,
-          "real_tokens_per_s": m["learner/tokens_per_s"],
+          "real_tokens_per_s": m.get("learner/batch/real_tokens", 0.0) / max(
+              m["time/learner_s"], 1e-9),
           "skipped": bool(m.get("learner/skipped")),
       },
       "sync_s": m["time/sync_s"], "step_s": m["time/step_s"],
+      # Compilation before step 1 (the trainer's warm-up), reported with step 1.
+      "warmup_s": m.get("time/warmup_s", 0.0),
       "_decode_hist": {int(k.rsplit("_", 1)[1]): v for k, v in e.items()
                        if k.startswith("decode_calls_active_")},
       "_timeline": tl, "_learner_window": st["learner_window"],
@@ -279,6 +285,47 @@ def measure_rates(tr, batch, cache_len: int, reps: int = 4) -> dict:
     out["learner_tokens_per_s"] = batch.stats["real_tokens"] / wall
     log(f"learner: {out['learner_s_per_row']:.1f} s per row")
   return out
+
+
+def learner_work(batch, query_block: int = 64) -> dict:
+  """What the learner computes on a packed batch and what each saving cuts.
+
+  lm_head_share: loss positions / real tokens (the LM head runs on those only).
+  attention_key_share: keys the segment-aware attention reads / keys a causal-only kernel reads
+  (per query block of ``query_block``, from the first position of its segments).
+  shared_prefix_share: tokens of later segments that repeat a prefix of an earlier segment in
+  the same row (the system prompt, the task prompt) / real tokens: what prefix sharing in the
+  learner would not recompute.
+  """
+  seg, tok, mask = batch.segment_ids_BxT, batch.tokens_BxT, batch.loss_mask_BxT
+  real = int((seg > 0).sum())
+  causal = segment_aware = shared = 0
+  for b in range(seg.shape[0]):
+    row = seg[b]
+    if not row.any():
+      continue
+    first = {}
+    for i, v in enumerate(row):
+      first.setdefault(int(v), i)
+    for a in range(0, len(row), query_block):
+      stop = min(len(row), a + query_block)
+      k0 = min(first[int(v)] for v in row[a:stop])
+      causal += sum(i + 1 for i in range(a, stop))
+      segment_aware += sum(i + 1 - k0 for i in range(a, stop))
+    starts = sorted((i, v) for v, i in first.items() if v > 0)
+    bounds = [i for i, _ in starts] + [int((row > 0).sum())]
+    segs = [tok[b, bounds[j]:bounds[j + 1]] for j in range(len(starts))]
+    for j in range(1, len(segs)):
+      best = 0
+      for e in segs[:j]:
+        n = min(len(e), len(segs[j]))
+        eq = np.asarray(e[:n]) == np.asarray(segs[j][:n])
+        best = max(best, int(n if eq.all() else eq.argmin()))
+      shared += best
+  return {"real_tokens": real, "loss_tokens": int(mask.sum()),
+          "lm_head_share": float(mask.sum()) / max(real, 1),
+          "attention_key_share": segment_aware / max(causal, 1),
+          "shared_prefix_tokens": shared, "shared_prefix_share": shared / max(real, 1)}
 
 
 def floor_of(line: dict, rates: dict) -> dict:
@@ -363,6 +410,8 @@ def main(argv):
                if not st["m"].get("learner/skipped")), None)
   batch = tr.learner.prepare(last)[0] if last else None
   rates = measure_rates(tr, batch, int(config.rollout.max_cache_len))
+  work = learner_work(batch) if batch is not None else {}
+  log(f"learner work on the last batch: {json.dumps(work)}")
   steps_out = []
   for line in lines:
     line["floor"] = floor_of(line, rates)
@@ -375,6 +424,7 @@ def main(argv):
          "settings": {k: s[k] for k in ("tasks_per_step", "group", "ctx", "slots", "budget",
                                         "max_depth", "max_new_tokens", "rl_temperature", "lr")},
          "trainer_init_s": tr.init_s, "run_s": run_s, "steps_done": result["step"],
+         "remat": tr.learner.model_cfg.remat, "learner_work": work,
          "rates": rates, "steps": steps_out,
          "minutes": (time.time() - t_all) / 60}
   out = os.path.abspath(_BENCH_OUT.value)
@@ -400,7 +450,8 @@ def main(argv):
              "compile_s": [x["rollout"]["compile_s"] + x["learner"]["compile_s"]
                            for x in steps_out],
              "learner_real_tokens_per_s": [x["learner"]["real_tokens_per_s"] for x in steps_out],
-             "floor_step_s": [x["floor"]["step_s"] for x in steps_out]}
+             "floor_step_s": [x["floor"]["step_s"] for x in steps_out],
+             "remat": run["remat"], "learner_work": work}
   print(json.dumps(summary), flush=True)
 
 
