@@ -295,6 +295,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       row_len=_row_len(config),
       micro_batch_rows=micro,
       bucket_rows=buckets,
+      share_prefix_min=int(config.learner.get("share_prefix_min", -1)),
       seed=int(config.seed),
       ckpt_dir=os.path.join(os.path.abspath(workdir), "checkpoints"),
       ckpt_every=int(config.ckpt.every),

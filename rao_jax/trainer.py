@@ -462,7 +462,8 @@ class Trainer:
          "rollout/tokens_per_s": rstats.generated_tokens
                                  / max(rstats.wall_s - rollout_compile_s, 1e-9),
          "rollout/generated_tokens": rstats.generated_tokens,
-         # Every token of a packed row costs the learner (prompts and observations too).
+         # The trajectories' tokens (prompts and observations too; a prefix shared in a row
+         # counts once per node, as unshared packing would compute it).
          "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
                                  / max(learn_s - learner_compile_s, 1e-9),
          # The learning-rate schedule's position: updates actually applied.

@@ -106,6 +106,8 @@ def base_config() -> config_dict.ConfigDict:
   c.learner.bucket_rows = ()         # row counts a batch is padded to (each compiles once);
                                      # () = micro x (1, 4, 16, 64)
   c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
+  c.learner.share_prefix_min = -1    # nodes of a row sharing >= this many prompt tokens compute
+                                     # them once; -1 = 64 on CPU, off on GPU/TPU; 0 = off
 
   c.rollout = config_dict.ConfigDict()
   c.rollout.engine = "embedded"      # embedded | sglang
