@@ -141,9 +141,10 @@ async def _evaluate_model(config, model, server_urls, num_tasks, modes, difficul
     tokenizer = (Tokenizer.from_hf_folder(path) if os.path.isdir(path)
                  else Tokenizer.from_gguf(path))
     if server_api == "openai":
-      engine = sglang_client.OpenAIEngine(server_urls[0], tokenizer)
+      engine = sglang_client.OpenAIEngine(server_urls[0], tokenizer,
+                                          api_key=X.rollout_api_key(config))
     else:
-      engine = sglang_client.SGLangEngine(list(server_urls))
+      engine = sglang_client.SGLangEngine(list(server_urls), api_key=X.rollout_api_key(config))
     label = ",".join(server_urls)
   else:
     from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top

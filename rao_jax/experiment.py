@@ -419,6 +419,16 @@ def engine_config(config):
   return EngineConfig(**kw)
 
 
+def rollout_api_key(config) -> str | None:
+  """The rollout servers' API key, from the environment variable `config.rollout.api_key_env`
+  names (default RAO_JAX_API_KEY); None when it is unset. The config holds only the variable's
+  name, so the key never reaches config.json, logs or tree records."""
+  from rao_jax.rollout.sglang_client import API_KEY_ENV, api_key_from_env  # pylint: disable=g-import-not-at-top
+  rollout = config.get("rollout") if hasattr(config, "get") else None
+  name = (rollout.get("api_key_env") if rollout is not None else None) or API_KEY_ENV
+  return api_key_from_env(str(name))
+
+
 def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
                 export_dir: str | None = None):
   """The rollout engine of `config.rollout.engine`, serving `model`'s current weights as
@@ -436,7 +446,7 @@ def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
       raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
                        "http://host:30000[,http://host2:30000].")
     return SGLangEngine(urls, weight_version=weight_version, export_root=export_dir,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, api_key=rollout_api_key(config))
   raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
 
 

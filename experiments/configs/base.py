@@ -112,6 +112,9 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout = config_dict.ConfigDict()
   c.rollout.engine = "embedded"      # embedded | sglang
   c.rollout.urls = ()                # SGLang worker URLs (engine=sglang)
+  c.rollout.api_key_env = "RAO_JAX_API_KEY"  # environment variable holding the servers'
+                                     # --api-key (engine=sglang; unset = none); the key itself
+                                     # never enters the config
   c.rollout.num_slots = 32           # embedded engine: concurrent sequences
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common

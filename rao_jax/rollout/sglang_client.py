@@ -14,6 +14,10 @@ Weight sync (``Engine.update_weights``) exports the model as an HF checkpoint fo
 pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk ->
 continue_generation.
 
+Servers started with ``--api-key`` (SGLang's, or rao_jax.rollout.serve's) get it as
+``Authorization: Bearer <key>`` on every request (``api_key=``; entry points read it from
+``RAO_JAX_API_KEY``, never from a config); a 401 raises at once instead of being retried.
+
 Server quirks handled: refusals come as ``{"error": {"message": ...}}`` (SGLang's /generate) or
 flat ``{"object": "error", "message": ...}`` (its request validation, OpenAI-style), and both
 reach the caller's ValueError; a server that never had its weights updated reports
@@ -40,6 +44,10 @@ from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, Generate
 
 log = logging.getLogger(__name__)
 
+# The environment variable the entry points read the servers' key from; rao_jax.rollout.serve's
+# --api-key defaults to it too (its door imports this name: one spelling for both ends).
+API_KEY_ENV = "RAO_JAX_API_KEY"
+
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               ConnectionError)
 
@@ -62,6 +70,24 @@ def error_message(data: Any) -> str:
       return str(data["detail"])
     return json.dumps(data)[:500]
   return str(data)[:500]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str] | None:
+  """The ``Authorization`` header carrying ``api_key`` (None without one)."""
+  if api_key is None or api_key == "":
+    return None
+  if not isinstance(api_key, str) or api_key != api_key.strip() or any(
+      c in api_key for c in "\r\n"):
+    # Not echoed: the value is a secret.
+    raise ValueError("api_key: give the server's key as one line of text without surrounding "
+                     "spaces.")
+  return {"Authorization": f"Bearer {api_key}"}
+
+
+def api_key_from_env(name: str = API_KEY_ENV) -> str | None:
+  """The rollout servers' API key from the environment variable ``name`` (None when unset or
+  empty): how entry points hand the key to the clients without writing it anywhere."""
+  return os.environ.get(name) or None
 
 
 def honours_seed(server_info: Any) -> bool:
@@ -118,11 +144,13 @@ class SGLangEngine(Engine):
       folder each); every server must be able to read it (a shared filesystem when they run
       on other hosts). None: ``update_weights`` refuses, ``update_weights_from_disk`` works.
     tokenizer: written into each exported checkpoint (None: weights and config only).
+    api_key: sent as ``Authorization: Bearer <api_key>`` on every request (the servers'
+      ``--api-key``); None sends none. Kept out of the config, logs and errors.
   """
 
   def __init__(self, urls: str | Sequence[str], config: ClientConfig | None = None, *,
                weight_version: int | str = 0, export_root: str | None = None, tokenizer=None,
-               **kwargs):
+               api_key: str | None = None, **kwargs):
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                            for u in urls):
@@ -132,6 +160,7 @@ class SGLangEngine(Engine):
     self._version = weight_version
     self.export_root = export_root
     self.tokenizer = tokenizer
+    self._headers = auth_headers(api_key)
     self._inflight = {u: 0 for u in self.urls}
     self._rr = 0
     self._sessions: dict[str, str] = {}
@@ -153,7 +182,7 @@ class SGLangEngine(Engine):
       c = self.config
       self._http = aiohttp.ClientSession(
           timeout=aiohttp.ClientTimeout(total=c.request_timeout, sock_connect=c.connect_timeout),
-          connector=aiohttp.TCPConnector(limit=0, force_close=False))
+          connector=aiohttp.TCPConnector(limit=0, force_close=False), headers=self._headers)
       self._http_loop = loop
     return self._http
 
@@ -364,6 +393,10 @@ class SGLangEngine(Engine):
     while True:
       try:
         status, data = await self._post(url, path, body, timeout=self.config.request_timeout)
+        if status == 401:      # retrying cannot help: say so now, not after the flush timeout
+          raise PermissionError(f"{url}{path} refused the client (HTTP 401): "
+                                f"{error_message(data)} Give the client the server's key "
+                                f"(api_key=, or the {API_KEY_ENV} environment variable).")
         if status < 500:
           return status, data
         err = f"HTTP {status}"
@@ -411,7 +444,8 @@ class SGLangEngine(Engine):
                        "it with export_root=<a folder every server can read> (the trainer "
                        "passes <workdir>/weights).")
     name = f"v{version:06d}" if isinstance(version, int) else f"v{version}"
-    return os.path.join(self.export_root, name)
+    # Absolute: a server resolves a relative path against its own working directory.
+    return os.path.join(os.path.abspath(self.export_root), name)
 
   async def update_weights(self, model, version: int | str) -> None:
     """Exports ``model`` as an HF checkpoint folder (``export_dir(version)``) and has every
@@ -428,7 +462,11 @@ class SGLangEngine(Engine):
     out = {}
     for u in self.urls:
       async with self._session().get(u + "/get_weight_version") as resp:
-        out[u] = (await resp.json())["weight_version"]
+        data = await resp.json(content_type=None)
+        if resp.status != 200:
+          raise ValueError(f"{u}/get_weight_version failed (HTTP {resp.status}): "
+                           f"{error_message(data)}")
+        out[u] = data["weight_version"]
     return out
 
   async def close(self) -> None:
@@ -451,10 +489,12 @@ class OpenAIEngine(Engine):
     tokenizer: encodes returned text when the server gives no ids.
     model: the ``model`` field sent (default: the first id ``/v1/models`` lists).
     config: a ClientConfig (timeouts and retries).
+    api_key: sent as ``Authorization: Bearer <api_key>`` (what OpenAI clients send for
+      ``api_key=``); None sends none.
   """
 
   def __init__(self, url: str, tokenizer, model: str | None = None,
-               config: ClientConfig | None = None, **kwargs):
+               config: ClientConfig | None = None, api_key: str | None = None, **kwargs):
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
       raise ValueError(f"OpenAIEngine url={url!r}: give an http(s):// base URL.")
     self.url = url.rstrip("/").removesuffix("/v1")
@@ -462,6 +502,7 @@ class OpenAIEngine(Engine):
     self.model = model
     self.config = config if config is not None else ClientConfig(**kwargs)
     self._ids_supported = True
+    self._headers = auth_headers(api_key)
     self._http: aiohttp.ClientSession | None = None
     self._http_loop = None
 
@@ -480,7 +521,7 @@ class OpenAIEngine(Engine):
     if self._http is None or self._http.closed or self._http_loop is not loop:
       c = self.config
       self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-          total=c.request_timeout, sock_connect=c.connect_timeout))
+          total=c.request_timeout, sock_connect=c.connect_timeout), headers=self._headers)
       self._http_loop = loop
     return self._http
 
