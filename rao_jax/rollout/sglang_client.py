@@ -3,16 +3,23 @@
 Token in, token out: requests send ``input_ids`` with ``return_logprob`` and ``no_stop_trim``
 and explicit sampling parameters; tokens and logprobs are read from
 ``meta_info.output_token_logprobs`` (their count is checked against ``completion_tokens``).
-Connection errors, timeouts and 5xx answers are retried with exponential backoff, on another
-server when there are several; a request that cannot be served in ``retry_timeout`` seconds
-returns FinishReason.ABORT (never hangs). Requests the server aborted on its own (a weight
+
+Failover (``rao_jax.rollout.server_pool``): a server that fails a request (connection refused or
+reset, a timeout, HTTP 5xx) is marked down and gets no new request until its ``/health``
+answers again and it has been re-synced to the run's current weights; the failed request is
+retried at once on a server that is up. Other failures (429, a malformed answer) are retried
+with exponential backoff; a request still failing ``retry_timeout`` seconds after its first
+failure returns FinishReason.ABORT (never hangs). When every server has been down for
+``retry_timeout`` seconds, ``generate``, ``update_weights`` and ``check_available`` raise
+EngineUnavailableError naming the URLs. Requests the server aborted on its own (a weight
 update pausing with mode "abort") are continued: prompt + partial output is re-sent with the
 remaining token budget, and the pieces are joined.
 
 Weight sync (``Engine.update_weights``) exports the model as an HF checkpoint folder under
 ``export_root`` and follows the SGLang RL recipe on every server (``update_weights_from_disk``):
 pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk ->
-continue_generation.
+continue_generation. Servers that are down are skipped (they are re-synced when they return);
+a server that fails its update is marked down.
 
 Server quirks handled: refusals come as ``{"error": {"message": ...}}`` (SGLang's /generate) or
 flat ``{"object": "error", "message": ...}`` (its request validation, OpenAI-style), and both
@@ -31,12 +38,15 @@ import json
 import logging
 import os
 import random
+import time
 import uuid
 from typing import Any, Sequence
 
 import aiohttp
 
-from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
+from rao_jax.rollout.base import (Engine, EngineUnavailableError, FinishReason,
+                                  GenerateRequest, GenerateResult)
+from rao_jax.rollout.server_pool import ServerPool
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +89,10 @@ class ClientConfig:
   Attributes:
     request_timeout: seconds one HTTP /generate may take.
     connect_timeout: seconds to establish a connection.
-    retry_timeout: seconds a request keeps retrying before it is reported aborted.
+    retry_timeout: seconds a request keeps retrying after its first failure before it is
+      reported aborted; and seconds every server may be down before the client raises
+      EngineUnavailableError (the trainer then stops with a checkpoint).
+    health_interval: seconds between two health checks of a server marked down.
     backoff: first retry delay in seconds (doubles each retry, with jitter).
     max_backoff: cap on the retry delay.
     max_continuations: times a server-aborted request is continued before giving up.
@@ -90,6 +103,7 @@ class ClientConfig:
   request_timeout: float = 600.0
   connect_timeout: float = 10.0
   retry_timeout: float = 120.0
+  health_interval: float = 1.0
   backoff: float = 0.25
   max_backoff: float = 4.0
   max_continuations: int = 16
@@ -127,8 +141,14 @@ class SGLangEngine(Engine):
     if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                            for u in urls):
       raise ValueError(f"SGLangEngine urls={urls!r}: give one or more http(s):// base URLs.")
-    self.urls = [u.rstrip("/") for u in urls]
+    # One entry per server: the same server given twice would be synced twice.
+    self.urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
     self.config = config if config is not None else ClientConfig(**kwargs)
+    self.pool = ServerPool(self.urls, retry_timeout=self.config.retry_timeout,
+                           health_interval=self.config.health_interval, health=self._health,
+                           resync=self._resync)
+    # (checkpoint folder, version) of the newest weight sync: what a returning server loads.
+    self._synced: tuple[str, str] | None = None
     self._version = weight_version
     self.export_root = export_root
     self.tokenizer = tokenizer
@@ -157,10 +177,16 @@ class SGLangEngine(Engine):
       self._http_loop = loop
     return self._http
 
-  def _pick(self, session_id: str | None, avoid: str | None) -> str:
-    if session_id is not None and self._sessions.get(session_id) not in (None, avoid):
-      return self._sessions[session_id]
-    cands = [u for u in self.urls if u != avoid] or self.urls
+  async def _pick(self, session_id: str | None, avoid: str | None) -> str:
+    """A server that is up (waiting for one while all are down, see ServerPool)."""
+    self.pool.ensure_probes()
+    if not self.pool.healthy():
+      await self.pool.wait_for_any()
+    up = self.pool.healthy()
+    sticky = self._sessions.get(session_id) if session_id is not None else None
+    if sticky is not None and sticky != avoid and self.pool.up.get(sticky):
+      return sticky
+    cands = [u for u in up if u != avoid] or up
     self._rr += 1
     url = min(cands, key=lambda u: (self._inflight[u], (self.urls.index(u) - self._rr)
                                     % len(self.urls)))
@@ -269,10 +295,9 @@ class SGLangEngine(Engine):
 
   async def _generate_once(self, rid, request, ids, max_new):
     """One /generate with retries. Returns (meta, tokens, logprobs), or (None, message, None)
-    when it could not be served."""
+    when it could not be served. Raises EngineUnavailableError when every server is gone."""
     c = self.config
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + c.retry_timeout
+    deadline = None     # retry_timeout counts from the first failure, not from the start
     delay = c.backoff
     avoid = None
     attempt = 0
@@ -280,31 +305,49 @@ class SGLangEngine(Engine):
     while True:
       if rid in self._aborted:
         return None, "aborted by the caller", None
-      url = self._pick(request.session_id, avoid)
+      url = await self._pick(request.session_id, avoid)
+      if rid in self._aborted:      # the caller gave up while every server was down
+        return None, "aborted by the caller", None
       if request.params.seed is not None and url not in self._seed_checked:
         await self._check_seed(url)
       http_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
       self._current[rid] = (url, http_rid)
       self._inflight[url] += 1
+      self.pool.stats[url].generate += 1
+      down = False
       try:
         status, data = await self._post(url, "/generate",
                                         self._payload(request, ids, max_new, http_rid))
         if status >= 500 or status == 429:
+          down = status != 429          # 429 is a busy server, not a broken one
           raise ServerError(f"HTTP {status}: {str(data)[:200]}")
         if status != 200:
           raise ValueError(f"{url}/generate refused the request (HTTP {status}): "
                            f"{error_message(data)}")
         return (data["meta_info"], *self._read_tokens(data))
-      except (ServerError, KeyError, TypeError) + _RETRYABLE as e:
+      except _RETRYABLE as e:
+        down = True
+        last_error = f"{type(e).__name__}: {e}"
+      except (ServerError, KeyError, TypeError) as e:
         last_error = f"{type(e).__name__}: {e}"
       finally:
         self._inflight[url] -= 1
       attempt += 1
+      now = time.monotonic()
+      deadline = deadline if deadline is not None else now + c.retry_timeout
+      if down:
+        self.pool.mark_down(url, last_error)
       if len(self.urls) > 1:
         avoid = url
       if request.session_id is not None:
         self._sessions.pop(request.session_id, None)
-      if loop.time() + delay > deadline:
+      if down and now < deadline:
+        # The server is out of rotation: the next pick is another one that is up (or waits
+        # for one to return), so there is nothing to back off from.
+        log.info("request %s: %s failed (%s); retrying on another server", rid, url,
+                 last_error)
+        continue
+      if now + delay > deadline:
         log.warning("request %s gave up after %d attempts: %s", rid, attempt, last_error)
         return None, f"server unreachable after {attempt} attempts: {last_error}", None
       log.info("request %s attempt %d failed (%s); retrying in %.2f s", rid, attempt,
@@ -356,10 +399,12 @@ class SGLangEngine(Engine):
     self._sessions.pop(session_id, None)
 
   # ---- control --------------------------------------------------------------------------------
-  async def _control(self, url: str, path: str, body=None, ok=(200,)):
-    """A control POST retried on connection errors until retry_timeout."""
+  async def _control(self, url: str, path: str, body=None, patience: float | None = None):
+    """A control POST retried on connection errors and 5xx for ``patience`` seconds (default
+    retry_timeout; 0: one try); then raises ConnectionError."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + self.config.retry_timeout
+    patience = self.config.retry_timeout if patience is None else patience
+    deadline = loop.time() + patience
     delay = self.config.backoff
     while True:
       try:
@@ -375,21 +420,38 @@ class SGLangEngine(Engine):
       delay = min(delay * 2, self.config.max_backoff)
 
   async def update_weights_from_disk(self, model_path: str, version: int | str) -> None:
-    """Loads an HF checkpoint folder on every server: pause -> flush -> update -> continue.
+    """Loads an HF checkpoint folder on every server that is up: pause -> flush -> update ->
+    continue. Servers that are down load it when they return (before any request); one that
+    fails its update is marked down. With every server down, waits for one to return (it
+    loads this version first), raising EngineUnavailableError past the retry timeout.
 
     Requests in flight are aborted by the pause and continued by their ``generate`` calls
     once generation resumes (with the new weights for the remaining tokens).
     """
-    await asyncio.gather(*[self._update_one(u, model_path, version) for u in self.urls])
+    # Set first: a server a probe is re-syncing now must end on this version, not the last.
+    self._synced = (model_path, str(version))
+    done = await asyncio.gather(*[self._sync_one(u, model_path, version)
+                                  for u in self.pool.healthy()])
+    if not any(done):
+      await self.pool.wait_for_any()
     self._version = str(version)
 
-  async def _update_one(self, url, model_path, version):
+  async def _sync_one(self, url, model_path, version) -> bool:
+    """Updates one server; False when it failed like a dead server (then marked down)."""
+    try:
+      await self._update_one(url, model_path, version, patience=0)
+      return True
+    except (ConnectionError,) + _RETRYABLE as e:
+      self.pool.mark_down(url, f"weight update failed: {type(e).__name__}: {e}")
+      return False
+
+  async def _update_one(self, url, model_path, version, patience=None):
     loop = asyncio.get_running_loop()
-    await self._control(url, "/pause_generation", {"mode": "abort"})
+    await self._control(url, "/pause_generation", {"mode": "abort"}, patience)
     try:
       deadline = loop.time() + self.config.flush_timeout
       while True:   # 400 while requests are still draining: retry until 200
-        status, _ = await self._control(url, "/flush_cache")
+        status, _ = await self._control(url, "/flush_cache", patience=patience)
         if status == 200:
           break
         if loop.time() > deadline:
@@ -398,11 +460,52 @@ class SGLangEngine(Engine):
         await asyncio.sleep(0.1)
       status, data = await self._control(
           url, "/update_weights_from_disk",
-          {"model_path": model_path, "weight_version": str(version), "flush_cache": True})
+          {"model_path": model_path, "weight_version": str(version), "flush_cache": True},
+          patience)
       if status != 200 or not (isinstance(data, dict) and data.get("success")):
         raise RuntimeError(f"{url}/update_weights_from_disk failed (HTTP {status}): {data}")
     finally:
-      await self._control(url, "/continue_generation")
+      try:
+        await self._control(url, "/continue_generation", patience=patience)
+      except (ConnectionError,) + _RETRYABLE as e:
+        # A server that died mid-update: the error of the step that failed is the one to see.
+        log.info("%s/continue_generation failed: %s", url, e)
+
+  # ---- failover (ServerPool's callbacks) ------------------------------------------------------
+  async def _health(self, url: str) -> bool:
+    """One health check of a down server: its GET /health answers 200."""
+    async with self._session().get(
+        url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)
+    ) as resp:
+      return resp.status == 200
+
+  async def _server_version(self, url: str) -> str:
+    async with self._session().get(
+        url + "/get_weight_version",
+        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)) as resp:
+      return str((await resp.json(content_type=None))["weight_version"])
+
+  async def _resync(self, url: str) -> str | None:
+    """Brings a returning server to the newest synced weights; returns the version it serves
+    (None: no sync yet, it serves the weights it started with, as every server did)."""
+    while self._synced is not None:
+      target = self._synced
+      model_path, version = target
+      if await self._server_version(url) != version:
+        await self._update_one(url, model_path, version, patience=0)
+        self.pool.stats[url].resyncs += 1
+      if self._synced == target:      # no newer sync began meanwhile
+        return version
+    return None
+
+  def check_available(self) -> None:
+    """Raises EngineUnavailableError when every server has been down past retry_timeout."""
+    err = self.pool.unavailable_error()
+    if err is not None:
+      raise err
+
+  def health_metrics(self) -> dict[str, float]:
+    return self.pool.metrics()
 
   def export_dir(self, version: int | str) -> str:
     """The folder ``update_weights`` writes version ``version`` to."""
@@ -423,15 +526,18 @@ class SGLangEngine(Engine):
     await asyncio.to_thread(export_hf, model, None, self.tokenizer, out)
     await self.update_weights_from_disk(out, version)
 
-  async def get_weight_versions(self) -> dict[str, str]:
-    """Each server's current weight version."""
+  async def get_weight_versions(self) -> dict[str, str | None]:
+    """Each server's current weight version (None for a server that does not answer)."""
     out = {}
     for u in self.urls:
-      async with self._session().get(u + "/get_weight_version") as resp:
-        out[u] = (await resp.json())["weight_version"]
+      try:
+        out[u] = await self._server_version(u)
+      except _RETRYABLE + (ValueError, KeyError):
+        out[u] = None
     return out
 
   async def close(self) -> None:
+    await self.pool.close()
     if self._http is not None and not self._http.closed:
       await self._http.close()
     self._http = None
