@@ -56,13 +56,14 @@ class ServerPool:
     retry_timeout: seconds every server may be down before ``wait_for_any`` raises.
     health_interval: seconds between two health probes of a down server.
     health: ``health(url) -> bool``: one health check (raises or returns False when not up).
-    resync: ``resync(url)``: brings a returning server to the run's weights; raises when it
-      cannot (the server then stays down and is probed again).
+    resync: ``resync(url) -> version``: brings a returning server to the run's weights and
+      returns the version it serves; raises when it cannot (the server then stays down and is
+      probed again).
   """
 
   def __init__(self, urls: Sequence[str], *, retry_timeout: float, health_interval: float,
                health: Callable[[str], Awaitable[bool]],
-               resync: Callable[[str], Awaitable[None]]):
+               resync: Callable[[str], Awaitable[str | None]]):
     self.urls = list(urls)
     self.retry_timeout = retry_timeout
     self.health_interval = health_interval
@@ -71,8 +72,8 @@ class ServerPool:
     self.down_since: dict[str, float] = {}
     self.last_error: dict[str, str] = {}
     self.stats = {u: ServerStats() for u in self.urls}
-    # (url, "down" | "resync" | "up", detail, /generate count then): what tests and logs read
-    # to see that a returning server was re-synced before it was given work.
+    # (url, "down" | "resynced" | "up", detail, its /generate count then): what tests and logs
+    # read to see that a returning server was re-synced before it was given work.
     self.events: list[tuple[str, str, str, int]] = []
     self._probes: dict[str, asyncio.Task] = {}
 
@@ -152,14 +153,16 @@ class ServerPool:
       try:
         if not await self._health(url):
           continue
-        self._event(url, "resync")
-        await self._resync(url)
+        version = await self._resync(url)
       except asyncio.CancelledError:
         raise
       except Exception as e:  # noqa: BLE001 - any failure leaves it down, to probe again
         self.last_error[url] = f"{type(e).__name__}: {e}"
         log.info("rollout server %s not back yet: %s", url, self.last_error[url])
         continue
+      # No await between the re-sync's last check and this: nothing can change the weights
+      # the server should hold before it is back in rotation.
+      self._event(url, "resynced", str(version))
       self._mark_up(url)
 
   async def close(self) -> None:
