@@ -110,6 +110,10 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout = config_dict.ConfigDict()
   c.rollout.engine = "embedded"      # embedded | sglang
   c.rollout.urls = ()                # SGLang worker URLs (engine=sglang)
+  c.rollout.retry_timeout = 120.0    # engine=sglang: seconds a request retries after a failure;
+                                     # every server down this long stops the run (checkpoint)
+  c.rollout.health_interval = 1.0    # engine=sglang: seconds between health checks of a server
+                                     # marked down (it gets work again once re-synced)
   c.rollout.num_slots = 32           # embedded engine: concurrent sequences
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common
