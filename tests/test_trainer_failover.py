@@ -111,9 +111,9 @@ def _config(model_dir, url, total_steps=2):
   return c
 
 
-def test_config_rejects_a_bad_retry_timeout(tiny_hf_dir):
+def test_config_rejects_a_bad_retry_timeout():
   from rao_jax import experiment as X
-  c = _config(tiny_hf_dir, "http://127.0.0.1:1")
+  c = _config("unused", "http://127.0.0.1:1")
   c.rollout.retry_timeout = 0
   with pytest.raises(ValueError, match=r"config\.rollout\.retry_timeout=0(\.0)?: give a number"):
     X.make_engine(c, None, None)
