@@ -445,8 +445,19 @@ def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
     if not urls:
       raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
                        "http://host:30000[,http://host2:30000].")
+    # Configs saved before these settings existed keep the client's defaults.
+    timing = {}
+    for name in ("retry_timeout", "health_interval"):
+      v = config.rollout.get(name, None)
+      if v is None:
+        continue
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"config.rollout.{name}={v!r}: give a number of seconds > 0, e.g. "
+                         f"--config.rollout.{name}=" + ("120" if name == "retry_timeout"
+                                                        else "1") + ".")
+      timing[name] = float(v)
     return SGLangEngine(urls, weight_version=weight_version, export_root=export_dir,
-                        tokenizer=tokenizer, api_key=rollout_api_key(config))
+                        tokenizer=tokenizer, api_key=rollout_api_key(config), **timing)
   raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
 
 
@@ -484,9 +495,11 @@ def make_judge(config, phase: str, engine, tokenizer):
 
 @dataclasses.dataclass
 class RolloutStats:
-  """What the trainer logs about one batch of trees."""
+  """What the trainer logs about one batch of trees (`engine`: the engine's server counters,
+  `Engine.health_metrics`, read when the rollouts ended)."""
   wall_s: float
   generated_tokens: int
+  engine: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def tokens_per_s(self) -> float:

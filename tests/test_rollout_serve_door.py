@@ -25,7 +25,8 @@ from rao_jax import experiment as X
 from rao_jax.model import Transformer
 from rao_jax.rollout import FinishReason, GenerateRequest, SamplingParams
 from rao_jax.rollout.serve import cli, door
-from rao_jax.rollout.sglang_client import OpenAIEngine, SGLangEngine, auth_headers
+from rao_jax.rollout.openai_client import OpenAIEngine
+from rao_jax.rollout.sglang_client import SGLangEngine, auth_headers
 from rao_jax.testing import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

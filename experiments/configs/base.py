@@ -115,6 +115,10 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.api_key_env = "RAO_JAX_API_KEY"  # environment variable holding the servers'
                                      # --api-key (engine=sglang; unset = none); the key itself
                                      # never enters the config
+  c.rollout.retry_timeout = 120.0    # engine=sglang: seconds a request retries after a failure;
+                                     # every server down this long stops the run (checkpoint)
+  c.rollout.health_interval = 1.0    # engine=sglang: seconds between health checks of a server
+                                     # marked down (it gets work again once re-synced)
   c.rollout.num_slots = 32           # embedded engine: concurrent sequences
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common
