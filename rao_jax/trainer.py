@@ -13,7 +13,10 @@
 Resume order: the newest complete checkpoint in `workdir/checkpoints` (params, optimizer,
 step, RNG, data position) wins; else `config.ckpt.init_from` (parameters only, e.g. an SFT
 warm start); else the pretrained model. Ctrl-C / SIGTERM stop after the current stage, save a
-checkpoint and return; running the same command again resumes.
+checkpoint and return; running the same command again resumes. A resumed run records each step
+once: what a killed attempt wrote after the restored step moves aside (metrics.superseded.jsonl,
+superseded/). A checkpoint save the filesystem refuses is logged and counted (`ckpt/` rows) and
+training goes on; the next save tries again.
 
 With `config.rl.overlap`, the rollouts of step s+1 run (on the engine's weights of step s)
 while the learner updates step s: samples are one version stale, which the clipped-ratio
@@ -264,10 +267,36 @@ class Trainer:
       self._init_params_from(config.ckpt.init_from)
     self.engine = X.make_engine(config, self._local_model(), self.tokenizer,
                                 export_dir=os.path.join(self.workdir, "weights"))
-    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard)
-                    if self.main else _NoMetrics())
     self.trees_dir = os.path.join(self.workdir, "trees")
+    if self.main:
+      self._set_aside_superseded()
+    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard,
+                                              purge_step=self.start_step + 1)
+                    if self.main else _NoMetrics())
     os.makedirs(self.trees_dir, exist_ok=True)
+    self._failures_reported = 0   # checkpoint save failures written to the metrics
+
+  def _set_aside_superseded(self) -> None:
+    """Each step is recorded once: what an attempt killed before its next checkpoint wrote for
+    the steps this run redoes moves to metrics.superseded.jsonl and superseded/ (kept, never
+    dropped). Tree files are numbered by step index (file i is written by step i + 1), metrics
+    rows and evaluation folders by steps done."""
+    moved = metrics_lib.set_aside_superseded(
+        self.workdir, self.start_step, {"trees": self.start_step, "eval": self.start_step + 1})
+    if any(moved.values()):
+      log.warning("Resuming at step %d: records an earlier attempt wrote after it were moved "
+                  "aside (%s), as this run does those steps again.", self.start_step,
+                  ", ".join(f"{k}: {v}" for k, v in moved.items() if v))
+
+  def report_save_failures(self, step: int) -> None:
+    """A `ckpt/` metrics row for each checkpoint save the filesystem refused since the last
+    report (the learner logged it with the directory and the cause)."""
+    self.learner.poll_checkpoints()
+    failures = self.learner.checkpoint_failures
+    for i, f in enumerate(failures[self._failures_reported:], self._failures_reported + 1):
+      self.metrics.write(step, {"save_failed": 1.0, "failed_step": f.step,
+                                "errno": f.errno or 0, "save_failures": i}, prefix="ckpt/")
+    self._failures_reported = len(failures)
 
   def _init_params_from(self, path: str) -> None:
     """Starts from another run's newest parameters (optimizer and step start fresh)."""
@@ -392,17 +421,21 @@ class Trainer:
         with contextlib.suppress(BaseException):
           await state.next_batch
       stopper.uninstall(loop)
-      # Nothing the user had is lost: the newest state is saved whatever ended the loop.
+      # Nothing the user had is lost: the newest state is saved whatever ended the loop (waited
+      # for first: a save of this step that failed in the background is tried once more).
+      self.learner.wait_for_checkpoints()
       if state.step > self.start_step and self.learner.latest_checkpoint_step() != state.step:
         self.learner.save(state.step, extra={"data_position": state.step})
-      self.learner.wait_for_checkpoints()
+        self.learner.wait_for_checkpoints()
+      self.report_save_failures(state.step)
       await repls.close()
       await self.engine.close()
       self.metrics.close()
     plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
             if self.main else None)
     return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
-            "workdir": self.workdir}
+            "workdir": self.workdir, "checkpoint": self.learner.latest_checkpoint_step(),
+            "checkpoint_failures": len(self.learner.checkpoint_failures)}
 
   def warmup(self) -> float:
     """Compiles every shape of the rollout engine and of the learner's step (row buckets)
@@ -527,7 +560,10 @@ class Trainer:
 
     def checkpoint(step, m):
       del m
+      # A save waits for the previous one: an asynchronous save's failure is reported here, at
+      # the next save, which tries again (a failure never stops the run).
       self.learner.save(step, extra={"data_position": step})
+      self.report_save_failures(step)
 
     def postfix(m):
       return {"reward": f"{m['reward']:.3f}", "success": f"{m['success']:.2f}",
