@@ -149,10 +149,12 @@ def set_aside_superseded(workdir: str, step: int, step_entries: Mapping[str, int
       data = f.read()
     keep, aside = [], []
     for raw in data.splitlines(keepends=True):
+      if not raw.strip():
+        continue
       try:
         row = json.loads(raw)
         past = int(row["step"]) > step
-      except (ValueError, KeyError, TypeError):   # a line torn by the crash: kept, aside
+      except (ValueError, KeyError, TypeError):   # a line torn by the crash: kept aside too
         row, past = {"unreadable_line": raw.decode("utf-8", "replace").rstrip("\n")}, True
       if past:
         aside.append(dict(row, superseded=marker))
@@ -165,7 +167,8 @@ def set_aside_superseded(workdir: str, step: int, step_entries: Mapping[str, int
         old += b"\n"
       seen = {_dedupe_key(r) for r in read_metrics(aside_path)} if old else set()
       new = [r for r in aside if _dedupe_key(r) not in seen]
-      write_atomically(aside_path, old + b"".join(json.dumps(r).encode() + b"\n" for r in new))
+      if new:
+        write_atomically(aside_path, old + b"".join(json.dumps(r).encode() + b"\n" for r in new))
       write_atomically(path, b"".join(keep))
       moved["metrics"] = len(aside)
   attempt = None

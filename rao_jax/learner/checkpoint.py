@@ -240,7 +240,8 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
 
   def all_steps(self) -> list[int]:
-    """The steps of finished checkpoints, in increasing order."""
+    """The steps of finished checkpoints (and of the save in flight, which a caller must not
+    start again), in increasing order; `restore` waits for that save first."""
     root = os.path.abspath(self.directory)
     return sorted(s for s in self._mngr.all_steps()
                   if s == self._pending or is_committed(os.path.join(root, str(s))))
