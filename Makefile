@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test sysdeps bench clean-venv
+.PHONY: demo test test-fast sysdeps bench clean-venv
 
 $(STAMP): setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,13 @@ sysdeps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap g++; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap g++; fi; }
 
+# The whole suite, long Trainer runs included (what CI runs; ~17 min on an idle 2-core machine).
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=15
+
+# For iteration: the tests under ~10 s each (neither `slow` nor `long`).
+test-fast: $(STAMP) sysdeps
+	$(BIN)/python -m pytest tests -q -ra --timeout=900 -m "not slow and not long"
 
 demo: $(STAMP) sysdeps
 	$(BIN)/python -m experiments.demo

@@ -63,7 +63,7 @@ def _attention(args, result):
     cfg = transformer.ModelConfig(vocab_size=8, d_model=H * h, n_layers=1, n_heads=H,
                                   n_kv_heads=K, head_dim=h, mlp_dim=8, dtype="float32",
                                   kernels=side)
-    attend = transformer._self_attention(cfg, seg)   # what the model's block calls
+    attend = transformer._self_attention(cfg, seg, False)   # what the model's block calls
     loss = lambda q, k, v, attend=attend: jnp.sum(attend(q, k, v) * w)   # noqa: E731
     lowered = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, k, v)
     assert (mkl.ATTENTION_FWD in lowered.as_text()) == (side == "mkl")

@@ -221,6 +221,8 @@ def step_line(st: dict, row_len: int) -> dict:
       "learner": {
           "wall_s": m["time/learner_s"], "compile_s": st["learner_compile_s"],
           "real_tokens": m.get("learner/batch/real_tokens", 0.0),
+          "packed_tokens": m.get("learner/batch/packed_tokens", 0.0),
+          "shared_prefix_saved": m.get("learner/batch/shared_prefix_saved", 0.0),
           "padded_tokens": rows_used * row_len,
           "rows": m.get("learner/batch/rows", 0.0), "rows_used": rows_used,
           "real_tokens_per_s": m.get("learner/batch/real_tokens", 0.0) / max(
@@ -290,16 +292,18 @@ def measure_rates(tr, batch, cache_len: int, reps: int = 4) -> dict:
 def learner_work(batch, query_block: int = 64) -> dict:
   """What the learner computes on a packed batch and what each saving cuts.
 
-  lm_head_share: loss positions / real tokens (the LM head runs on those only).
+  lm_head_share: loss positions / packed tokens (the LM head runs on those only).
   attention_key_share: keys the segment-aware attention reads / keys a causal-only kernel reads
-  (per query block of ``query_block``, from the first position of its segments).
-  shared_prefix_share: tokens of later segments that repeat a prefix of an earlier segment in
-  the same row (the system prompt, the task prompt) / real tokens: what prefix sharing in the
-  learner would not recompute.
+  (per query block of ``query_block``, from the first position of the segments it sees, a
+  shared prefix included).
+  shared_prefix_saved: the trajectories' tokens that shared prefixes did not put in the rows
+  (the system prompt, a group's root prompt), and its share of the real tokens.
   """
-  seg, tok, mask = batch.segment_ids_BxT, batch.tokens_BxT, batch.loss_mask_BxT
-  real = int((seg > 0).sum())
-  causal = segment_aware = shared = 0
+  from rao_jax.kernels.attention import SUFFIX_BASE  # pylint: disable=g-import-not-at-top
+  seg, mask = batch.segment_ids_BxT, batch.loss_mask_BxT
+  real = int(batch.stats["real_tokens"])
+  packed = int((seg != 0).sum())
+  causal = segment_aware = 0
   for b in range(seg.shape[0]):
     row = seg[b]
     if not row.any():
@@ -309,23 +313,17 @@ def learner_work(batch, query_block: int = 64) -> dict:
       first.setdefault(int(v), i)
     for a in range(0, len(row), query_block):
       stop = min(len(row), a + query_block)
-      k0 = min(first[int(v)] for v in row[a:stop])
+      k0 = a
+      for v in map(int, row[a:stop]):
+        k0 = min(k0, first[v], first.get(-(v // SUFFIX_BASE), k0) if v >= SUFFIX_BASE else k0)
       causal += sum(i + 1 for i in range(a, stop))
       segment_aware += sum(i + 1 - k0 for i in range(a, stop))
-    starts = sorted((i, v) for v, i in first.items() if v > 0)
-    bounds = [i for i, _ in starts] + [int((row > 0).sum())]
-    segs = [tok[b, bounds[j]:bounds[j + 1]] for j in range(len(starts))]
-    for j in range(1, len(segs)):
-      best = 0
-      for e in segs[:j]:
-        n = min(len(e), len(segs[j]))
-        eq = np.asarray(e[:n]) == np.asarray(segs[j][:n])
-        best = max(best, int(n if eq.all() else eq.argmin()))
-      shared += best
-  return {"real_tokens": real, "loss_tokens": int(mask.sum()),
-          "lm_head_share": float(mask.sum()) / max(real, 1),
+  saved = real - packed
+  return {"real_tokens": real, "packed_tokens": packed, "loss_tokens": int(mask.sum()),
+          "lm_head_share": float(mask.sum()) / max(packed, 1),
           "attention_key_share": segment_aware / max(causal, 1),
-          "shared_prefix_tokens": shared, "shared_prefix_share": shared / max(real, 1)}
+          "shared_prefix_saved": saved, "shared_prefix_share": saved / max(real, 1),
+          "shared_prefix_units": int(batch.stats.get("shared_prefix_units", 0))}
 
 
 def floor_of(line: dict, rates: dict) -> dict:

@@ -93,7 +93,7 @@ def evaluate_model(config, model: str | None = None, server_urls: Sequence[str] 
       ``config.model.name``.
     server_api: "sglang": SGLang-native /generate (SGLang, ``rao_jax.rollout.serve``; several
       URLs share the load); "openai": one OpenAI-compatible /v1/completions server (vLLM, ...;
-      see ``sglang_client.OpenAIEngine``).
+      see ``openai_client.OpenAIEngine``).
     num_tasks, modes, difficulties, samples, task_files: as in ``evaluate_checkpoint``.
     out_dir: where results.json, trees.jsonl and trees.html go (default
       ``./evaluation/<model or server>``).
@@ -136,14 +136,15 @@ async def _evaluate_model(config, model, server_urls, num_tasks, modes, difficul
   if server_urls:
     from rao_jax.model.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     from rao_jax.model.weights import resolve_model_path  # pylint: disable=g-import-not-at-top
-    from rao_jax.rollout import sglang_client  # pylint: disable=g-import-not-at-top
+    from rao_jax.rollout import openai_client, sglang_client  # pylint: disable=g-import-not-at-top
     path = resolve_model_path(name)
     tokenizer = (Tokenizer.from_hf_folder(path) if os.path.isdir(path)
                  else Tokenizer.from_gguf(path))
     if server_api == "openai":
-      engine = sglang_client.OpenAIEngine(server_urls[0], tokenizer)
+      engine = openai_client.OpenAIEngine(server_urls[0], tokenizer,
+                                          api_key=X.rollout_api_key(config))
     else:
-      engine = sglang_client.SGLangEngine(list(server_urls))
+      engine = sglang_client.SGLangEngine(list(server_urls), api_key=X.rollout_api_key(config))
     label = ",".join(server_urls)
   else:
     from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top

@@ -295,6 +295,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       row_len=_row_len(config),
       micro_batch_rows=micro,
       bucket_rows=buckets,
+      share_prefix_min=int(config.learner.get("share_prefix_min", -1)),
       seed=int(config.seed),
       ckpt_dir=os.path.join(os.path.abspath(workdir), "checkpoints"),
       ckpt_every=int(config.ckpt.every),
@@ -418,6 +419,16 @@ def engine_config(config):
   return EngineConfig(**kw)
 
 
+def rollout_api_key(config) -> str | None:
+  """The rollout servers' API key, from the environment variable `config.rollout.api_key_env`
+  names (default RAO_JAX_API_KEY); None when it is unset. The config holds only the variable's
+  name, so the key never reaches config.json, logs or tree records."""
+  from rao_jax.rollout.sglang_client import API_KEY_ENV, api_key_from_env  # pylint: disable=g-import-not-at-top
+  rollout = config.get("rollout") if hasattr(config, "get") else None
+  name = (rollout.get("api_key_env") if rollout is not None else None) or API_KEY_ENV
+  return api_key_from_env(str(name))
+
+
 def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
                 export_dir: str | None = None):
   """The rollout engine of `config.rollout.engine`, serving `model`'s current weights as
@@ -434,8 +445,19 @@ def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
     if not urls:
       raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
                        "http://host:30000[,http://host2:30000].")
+    # Configs saved before these settings existed keep the client's defaults.
+    timing = {}
+    for name in ("retry_timeout", "health_interval"):
+      v = config.rollout.get(name, None)
+      if v is None:
+        continue
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"config.rollout.{name}={v!r}: give a number of seconds > 0, e.g. "
+                         f"--config.rollout.{name}=" + ("120" if name == "retry_timeout"
+                                                        else "1") + ".")
+      timing[name] = float(v)
     return SGLangEngine(urls, weight_version=weight_version, export_root=export_dir,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, api_key=rollout_api_key(config), **timing)
   raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
 
 
@@ -473,9 +495,11 @@ def make_judge(config, phase: str, engine, tokenizer):
 
 @dataclasses.dataclass
 class RolloutStats:
-  """What the trainer logs about one batch of trees."""
+  """What the trainer logs about one batch of trees (`engine`: the engine's server counters,
+  `Engine.health_metrics`, read when the rollouts ended)."""
   wall_s: float
   generated_tokens: int
+  engine: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def tokens_per_s(self) -> float:

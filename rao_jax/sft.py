@@ -122,7 +122,7 @@ async def _run_sft(config, workdir: str, demos_path: str | None) -> dict[str, An
       chosen = [trees[i] for i in rng.choice(len(trees), size=min(per_step, len(trees)),
                                              replace=False)]
       batch = pack_trees(chosen, sft_advantages(chosen), lcfg.row_len, lcfg.bucket_rows,
-                         loss="rao")
+                         loss="rao", share_prefix_min=lcfg.shared_prefix_tokens())
       t0 = time.perf_counter()
       m = learner.step(batch)
       m["time/step_s"] = time.perf_counter() - t0

@@ -44,7 +44,12 @@ Faults the loop survives (each counted in the `train/faults/*` metrics):
     left with fewer than 2 trees is dropped;
   * with `config.rl.rollout_deadline_s` > 0, trees still running that long after the step's
     rollouts began are cut (their nodes end with "timeout"); `config.rl.deadline_rule` then
-    either scores them as they stand ("unfinished") or drops their groups ("drop_group").
+    either scores them as they stand ("unfinished") or drops their groups ("drop_group");
+  * a rollout server that fails is skipped until it is back and re-synced (the SGLang client's
+    failover; `train/rollout/servers_*` count it); when every server has been gone for
+    `config.rollout.retry_timeout` seconds, the step's trees are infrastructure failures (never
+    trained on) and the run stops with a checkpoint and `RolloutUnavailableError` naming the
+    URLs; running the same command once a server is back resumes from that checkpoint.
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 from rao_jax.experiment import DEADLINE_RULES, RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
+from rao_jax.rollout import base as rollout_base
 
 log = logging.getLogger(__name__)
 ROLLOUT_REPORT_S = 60.0   # seconds between two progress lines of one step's rollouts
@@ -82,6 +88,16 @@ class _StopRequested(Exception):
 
 class TrainingDivergedError(RuntimeError):
   """Too many non-finite updates in a row; the last finite state was checkpointed."""
+
+
+class RolloutUnavailableError(RuntimeError):
+  """Every rollout server was gone past the retry timeout; the run's state was checkpointed
+  and the same command resumes once a server is back."""
+
+
+# Errors whose message says what happened and what to do: the command line prints them
+# without a traceback (rao_jax/cli/train.py).
+FATAL_ERRORS = (TrainingDivergedError, RolloutUnavailableError)
 
 
 def infra_error(tree: R.TreeRecord) -> str | None:
@@ -353,6 +369,9 @@ class Trainer:
           for task in tasks))
     finally:
       reporter.cancel()
+    # Trees that failed because no server was left are infrastructure failures; a step made of
+    # them must not train, so the run stops here (with a checkpoint) instead.
+    self.engine.check_available()
     wall = time.perf_counter() - t0
     trees = [t for kept, _, _ in groups for t in kept]
     every = [t for _, run, _ in groups for t in run]
@@ -363,7 +382,8 @@ class Trainer:
     if self.num_processes > 1:
       trees, every, faults, toks, wall = await asyncio.to_thread(
           exchange, trees, every, dict(faults), toks, wall)
-    return trees, X.RolloutStats(wall, toks), every, dict(faults)
+    return (trees, X.RolloutStats(wall, toks, self.engine.health_metrics()), every,
+            dict(faults))
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
     """Greedy held-out evaluation per difficulty; writes trees and an HTML page."""
@@ -375,6 +395,7 @@ class Trainer:
     for diff in c.env.eval_difficulties:
       tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
       trees = await runner.run_tasks(tasks, group_size=1)
+      self.engine.check_available()     # no score from trees no server could run
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)
     out.update(metrics_lib.tree_stats(all_trees))
@@ -401,19 +422,21 @@ class Trainer:
                            judge=X.make_judge(c, "train", self.engine, self.tokenizer))
     total = self.rl.total_steps
     state = RunState(step=self.start_step, guard=NonFiniteGuard(self.rl.max_nonfinite_steps))
-    await self.sync_weights(state.step)
-    # After the first sync: the engine's programs are specialised to the synced weights' arrays
-    # (warmed on the weights it was built with, step 1 compiled them all again).
-    if c.get("warmup", True) and state.step < total:
-      state.warmup_s = await asyncio.to_thread(self.warmup)
     hooks = self.hooks(repls, stopper, state)
-    stopped = False
+    stopped, unavailable = False, None
     try:
+      await self.sync_weights(state.step)
+      # After the first sync: the engine's programs are specialised to the synced weights'
+      # arrays (warmed on the weights it was built with, step 1 compiled them all again).
+      if c.get("warmup", True) and state.step < total:
+        state.warmup_s = await asyncio.to_thread(self.warmup)
       while state.step < total:
         m = await self.rl_step(runner, state, stopper.guard)
         await hooks_lib.run_hooks(hooks, state.step, total, m)
     except _StopRequested:
       stopped = True
+    except rollout_base.EngineUnavailableError as e:
+      unavailable = e
     finally:
       hooks_lib.close_hooks(hooks)
       if state.next_batch is not None:
@@ -431,6 +454,15 @@ class Trainer:
       await repls.close()
       await self.engine.close()
       self.metrics.close()
+    if unavailable is not None:
+      saved = self.learner.latest_checkpoint_step()
+      raise RolloutUnavailableError(
+          f"Training stopped at step {state.step}: {unavailable} (config.rollout.retry_timeout)."
+          " The run is saved: " + (f"its newest checkpoint is step {saved} in "
+                                  f"{self.learner.cfg.ckpt_dir}" if saved is not None else
+                                  "no step had finished, so there is no checkpoint yet")
+          + ". Start the rollout server(s) again and run the same command to resume from there."
+      ) from unavailable
     plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
             if self.main else None)
     return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
@@ -495,7 +527,8 @@ class Trainer:
          "rollout/tokens_per_s": rstats.generated_tokens
                                  / max(rstats.wall_s - rollout_compile_s, 1e-9),
          "rollout/generated_tokens": rstats.generated_tokens,
-         # Every token of a packed row costs the learner (prompts and observations too).
+         # The trajectories' tokens (prompts and observations too; a prefix shared in a row
+         # counts once per node, as unshared packing would compute it).
          "learner/tokens_per_s": (batch.stats.get("real_tokens", 0.0) if batch else 0.0)
                                  / max(learn_s - learner_compile_s, 1e-9),
          # The learning-rate schedule's position: updates actually applied.
@@ -504,6 +537,7 @@ class Trainer:
     if state.warmup_s is not None:
       m["time/warmup_s"], state.warmup_s = state.warmup_s, None
     m.update(staleness)
+    m.update({f"rollout/{k}": float(v) for k, v in rstats.engine.items()})
     m.update({f"faults/{k}": float(v) for k, v in faults.items()})
     m.update({f"faults/total_{k}": float(v) for k, v in state.fault_totals.items()})
     m["faults/nonfinite_steps"] = float(state.guard.total)

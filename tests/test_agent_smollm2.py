@@ -46,9 +46,10 @@ def test_smollm2_grows_a_tree_in_the_sandbox(tmp_path):
                         max_new_tokens=32, temperature=0.0, observation_max_chars=300)
 
   async def go():
-    # The engine keeps one prefill chunk of margin: 1152 - 128 = a 1024-token window.
+    # The engine keeps one prefill chunk of margin: 1152 - 128 = a 1024-token window. It holds the
+    # tokenizer to end each turn at the close of the agent's code cell (the runner's stop string).
     eng = Recording(EmbeddedEngine(model, num_slots=4, max_len=1152, cache_lens=(1152,),
-                                   chunk_sizes=(128,), prefill_rows=(1,)))
+                                   chunk_sizes=(128,), prefill_rows=(1,), tokenizer=tok))
     pool = sandbox_host.SandboxPool(sandbox_host.SandboxConfig(cell_timeout_s=20), size=3)
     await pool.start()
     try:

@@ -87,7 +87,8 @@ def test_evaluate_model_from_an_openai_compatible_server(server_url, tmp_path):
 def test_openai_engine_matches_the_served_engine(server_url):
   """Through /v1/completions with return_token_ids, the ids are the engine's own."""
   from rao_jax.rollout import GenerateRequest, SamplingParams
-  from rao_jax.rollout.sglang_client import OpenAIEngine, SGLangEngine
+  from rao_jax.rollout.openai_client import OpenAIEngine
+  from rao_jax.rollout.sglang_client import SGLangEngine
 
   async def go():
     a = OpenAIEngine(server_url, tokenizer=None)

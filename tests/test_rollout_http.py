@@ -33,13 +33,14 @@ def free_port():
     return s.getsockname()[1]
 
 
-def start_server(port, cache_dir):
+def start_server(port, cache_dir, weight_roots):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              # Restarted servers reuse the first one's compilations.
              JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return subprocess.Popen([sys.executable, "-m", "rao_jax.rollout.serve", "--port", str(port),
-                           *ARGS], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                           "--weight-roots", weight_roots, *ARGS], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def wait_healthy(proc, port, timeout=120):
@@ -67,9 +68,11 @@ def stop(proc):
 def server(tmp_path_factory):
   port = free_port()
   cache = str(tmp_path_factory.mktemp("jaxcache"))
-  proc = start_server(port, cache)
+  # The tests' exports live under pytest's base temporary folder: the server loads from there.
+  roots = str(tmp_path_factory.getbasetemp())
+  proc = start_server(port, cache, roots)
   wait_healthy(proc, port)
-  yield f"http://127.0.0.1:{port}", proc, port, cache
+  yield f"http://127.0.0.1:{port}", proc, port, (cache, roots)
   stop(proc)
 
 
@@ -175,7 +178,7 @@ def test_client_server_parity_validation_and_weight_sync(server, model, tmp_path
 
 @pytest.mark.slow
 def test_server_killed_and_restarted_mid_run(server):
-  url, proc, port, cache = server
+  url, proc, port, (cache, roots) = server
   ps = prompts(8, [5, 12, 15])
 
   async def go():
@@ -185,7 +188,7 @@ def test_server_killed_and_restarted_mid_run(server):
     await asyncio.sleep(0.3)
     stop(proc)                               # the server dies mid-run ...
     await asyncio.sleep(1.0)
-    new = start_server(port, cache)          # ... and comes back on the same port
+    new = start_server(port, cache, roots)   # ... and comes back on the same port
     try:
       results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
       after = await client.generate(GenerateRequest(ps[0], greedy(5)))

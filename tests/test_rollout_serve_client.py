@@ -252,7 +252,7 @@ class FakeOpenAI:
 
 
 def test_openai_engine_falls_back_to_reencoding_text():
-  from rao_jax.rollout.sglang_client import OpenAIEngine
+  from rao_jax.rollout.openai_client import OpenAIEngine
 
   class CharTokenizer:       # stands in for the model's tokenizer (not under test)
     stop_token_ids = [2]

@@ -18,10 +18,8 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not os.environ.get("RAO_JAX_LONG_TESTS"), reason=(
-        "two processes run 3 Trainer steps (112 s on an idle 2-core machine; the three such "
-        "tests add ~5 min, past CI's 20 minutes): set RAO_JAX_LONG_TESTS=1 to run it"))]
+# Two processes run 3 Trainer steps: 112 s on an idle 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMMON = r"""

@@ -112,9 +112,7 @@ def _rows(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("RAO_JAX_LONG_TESTS"), reason=(
-    "a full multi-step Trainer run (77-121 s on an idle 2-core machine; the three such tests "
-    "add ~5 min, past CI's 20 minutes): set RAO_JAX_LONG_TESTS=1 to run it"))
+@pytest.mark.long   # a full multi-step Trainer run: 77-121 s on an idle 2-core machine
 def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path):
   from rao_jax import trainer
   from rao_jax.agent import records as R
@@ -146,9 +144,7 @@ def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("RAO_JAX_LONG_TESTS"), reason=(
-    "a full multi-step Trainer run (77-121 s on an idle 2-core machine; the three such tests "
-    "add ~5 min, past CI's 20 minutes): set RAO_JAX_LONG_TESTS=1 to run it"))
+@pytest.mark.long   # a full multi-step Trainer run: 77-121 s on an idle 2-core machine
 def test_trainer_skips_nonfinite_updates_then_stops_with_a_checkpoint(tiny_hf_dir, tmp_path,
                                                                        monkeypatch):
   from rao_jax import trainer

@@ -106,10 +106,19 @@ def base_config() -> config_dict.ConfigDict:
   c.learner.bucket_rows = ()         # row counts a batch is padded to (each compiles once);
                                      # () = micro x (1, 4, 16, 64)
   c.learner.mesh = "auto"            # "auto" (all devices on data) or e.g. "data=2,fsdp=4,tensor=1"
+  c.learner.share_prefix_min = -1    # nodes of a row sharing >= this many prompt tokens compute
+                                     # them once; -1 = 64 on CPU, off on GPU/TPU; 0 = off
 
   c.rollout = config_dict.ConfigDict()
   c.rollout.engine = "embedded"      # embedded | sglang
   c.rollout.urls = ()                # SGLang worker URLs (engine=sglang)
+  c.rollout.api_key_env = "RAO_JAX_API_KEY"  # environment variable holding the servers'
+                                     # --api-key (engine=sglang; unset = none); the key itself
+                                     # never enters the config
+  c.rollout.retry_timeout = 120.0    # engine=sglang: seconds a request retries after a failure;
+                                     # every server down this long stops the run (checkpoint)
+  c.rollout.health_interval = 1.0    # engine=sglang: seconds between health checks of a server
+                                     # marked down (it gets work again once re-synced)
   c.rollout.num_slots = 32           # embedded engine: concurrent sequences
   c.rollout.max_cache_len = 8192     # embedded engine: longest KV cache (tokens)
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common

@@ -9,6 +9,8 @@ Examples (in a checkout, `python -m experiments.train` is the same command):
       --workdir=/tmp/smoke --config.rl.group_size=4
 
 Restarting the same command resumes from the newest complete checkpoint in --workdir.
+A run that stops on its own (every rollout server gone, training diverged) saves a checkpoint
+and prints why and what to do, without a traceback, and exits with status 1.
 """
 from absl import flags
 from ml_collections import config_flags
@@ -27,7 +29,12 @@ def main(argv):
   common.check_keys(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS["config"]))
   common.init_distributed()
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
-  trainer.train(_CONFIG.value, _WORKDIR.value)
+  try:
+    trainer.train(_CONFIG.value, _WORKDIR.value)
+  except trainer.FATAL_ERRORS as e:
+    # The message is the report (what happened, where the checkpoint is, how to resume); a
+    # traceback would bury it. SystemExit with a message prints it and exits with status 1.
+    raise SystemExit(f"rao-train: {e}") from None
 
 
 def run() -> None:

@@ -102,11 +102,39 @@ def blocked_causal_attention(q_BxTxHxh, k_BxKxhxT, v_BxKxTxh, mask_BxTxT, dtype,
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
+# ---- segment ids, and the shared prefixes they can name --------------------------------------
+# A packed row holds several trajectories, each a segment: ids 1, 2, ... (0 = padding). Nodes
+# that start with the same tokens (every node of a tree repeats the system prompt; the trees of
+# a group share their whole root prompt) can instead share one copy of that prefix in the row:
+# prefix unit g of the row gets id -g, and the suffix of its m-th member id g * SUFFIX_BASE + m,
+# which sees the prefix and itself, never another member. Plain segments (ids below
+# SUFFIX_BASE) are unchanged, so one rule covers both layouts.
+SUFFIX_BASE = 1 << 16
+
+
+def shared_prefix_id(g: int) -> int:
+  """The segment id of the shared prefix of unit ``g`` (1, 2, ... within a row)."""
+  return -g
+
+
+def suffix_id(g: int, m: int) -> int:
+  """The segment id of the ``m``-th member's suffix (m >= 1) of shared-prefix unit ``g``."""
+  if not (1 <= g < (1 << 15) and 1 <= m < SUFFIX_BASE):
+    raise ValueError(f"suffix_id: unit {g} / member {m} outside [1, 32768) x [1, 65536)")
+  return g * SUFFIX_BASE + m
+
+
+def segments_see(seg_q, seg_k):
+  """Whether a query of segment ``seg_q`` may see a key of segment ``seg_k`` (causality apart):
+  the same segment, or the shared prefix its suffix continues. Broadcasts."""
+  return (seg_q == seg_k) | ((seg_k < 0) & (seg_q // SUFFIX_BASE == -seg_k))
+
+
 def xla_causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: int = 128):
   """The reference: XLA's blocked causal attention of packed rows, [B, T, H, h] in q's dtype."""
   T = segment_ids_BxT.shape[1]
   idx = jnp.arange(T)
-  mask_BxTxT = ((segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+  mask_BxTxT = (segments_see(segment_ids_BxT[:, :, None], segment_ids_BxT[:, None, :])
                 & (idx[:, None] >= idx[None, :])[None])
   # Keys and values in the cache's layouts (small copies): the [B, K, g*T, T] scores and
   # probabilities then never need a transpose, forward or backward.
@@ -213,7 +241,7 @@ def _sharded(fn, q, k, v, segment_ids):
 
 
 def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: int = 128,
-                     kernels: str = "auto"):
+                     kernels: str = "auto", shared_prefix: bool = False):
   """softmax(q k^T / sqrt(h) + causal segment mask) v of packed rows, [B, T, H, h] in q's dtype.
 
   The implementation follows the platform the program is lowered for (see the module doc);
@@ -223,10 +251,14 @@ def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: in
     q_BxTxHxh: queries (after RoPE).
     k_BxTxKxh, v_BxTxKxh: keys (after RoPE) and values; H must be a multiple of K.
     segment_ids_BxT: int; a query sees earlier keys of its own segment id only (0 = padding,
-      which sees earlier padding only).
+      which sees earlier padding only), and a shared prefix's suffix also sees its prefix
+      (``segments_see``).
     block: queries per block of XLA's blocked attention.
     kernels: "auto" | "mkl" | "xla", the CPU kernel choice (``mkl.available``; the model's
       ``ModelConfig.kernels``); a static Python string.
+    shared_prefix: static; True when the ids may name shared prefixes. The TPU and GPU kernels
+      compare segment ids for equality only, so such rows take XLA's blocked attention there;
+      the CPU kernel and XLA's follow ``segments_see`` either way.
   """
   mkl.check_mode(kernels, "causal_attention(kernels=...)")
   _check(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT)
@@ -238,9 +270,9 @@ def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: in
       return mkl_attention.causal_attention(q, k, v, s).astype(q.dtype)
     return xla(q, k, v, s)
 
-  tpu = xla if _block_for(T, _TPU_BLOCKS) is None else functools.partial(
+  tpu = xla if shared_prefix or _block_for(T, _TPU_BLOCKS) is None else functools.partial(
       _sharded, tpu_splash_attention)
-  cuda = xla if _block_for(T, _GPU_BLOCKS) is None else functools.partial(
+  cuda = xla if shared_prefix or _block_for(T, _GPU_BLOCKS) is None else functools.partial(
       _sharded, gpu_flash_attention)
   return jax.lax.platform_dependent(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT,
                                     cpu=cpu, tpu=tpu, cuda=cuda, default=xla)

@@ -48,6 +48,13 @@ class LearnerConfig:
       run actually meets compiles once. Every entry must be a multiple of `micro_batch_rows`.
       Fine spacing keeps padding rows few (every multiple of 4: ~0.96 real tokens per slot
       on RAO-like trees, vs ~0.87 with powers of two) at the price of a few more compilations.
+    share_prefix_min: nodes packed into one row whose trajectories start with the same prompt
+      tokens (every node's system prompt; a group's whole root prompt) share one copy of that
+      prefix when it is at least this long: it is computed once, and each node's suffix keeps
+      its own positions and sees the prefix and itself only. Loss and gradients are those of
+      unshared packing. -1 (default) = 64 when the learner runs on CPU; off on GPU and TPU,
+      whose flash kernels compare segment ids for equality only (shared rows would take XLA's
+      blocked attention there). 0 = off.
     master_dtype: dtype of the learner's parameters (the master weights) and of AdamW's
       moments. The forward and backward passes compute in the model config's ``dtype``
       (bfloat16 on accelerators), casting these masters at each use; the update is applied to
@@ -84,6 +91,7 @@ class LearnerConfig:
   row_len: int = 2048
   micro_batch_rows: int = 4
   bucket_rows: tuple[int, ...] = tuple(range(4, 129, 4))
+  share_prefix_min: int = -1
   master_dtype: str = "float32"
   seed: int = 0
   ckpt_dir: str = ""
@@ -147,6 +155,10 @@ class LearnerConfig:
         raise _bad("bucket_rows", self.bucket_rows,
                    f"every bucket must be a positive multiple of micro_batch_rows="
                    f"{self.micro_batch_rows} ({b} is not).")
+    if not (isinstance(self.share_prefix_min, int) and self.share_prefix_min >= -1):
+      raise _bad("share_prefix_min", self.share_prefix_min,
+                 "must be an int >= -1 (-1 = automatic, 0 = off, n = share prefixes of >= n "
+                 "tokens).")
     if self.master_dtype not in _MASTER_DTYPES:
       raise _bad("master_dtype", self.master_dtype,
                  f"choose one of {_MASTER_DTYPES} (float32 unless memory forbids it).")
@@ -154,6 +166,14 @@ class LearnerConfig:
       raise _bad("ckpt_every", self.ckpt_every, "must be >= 1.")
     if self.ckpt_keep < 1:
       raise _bad("ckpt_keep", self.ckpt_keep, "must be >= 1.")
+
+  def shared_prefix_tokens(self) -> int:
+    """The shortest prefix packing shares (0 = off), ``share_prefix_min`` resolved for the
+    platform the learner runs on."""
+    if self.share_prefix_min >= 0:
+      return self.share_prefix_min
+    import jax  # local: config stays light until a learner exists
+    return 64 if jax.default_backend() == "cpu" else 0
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

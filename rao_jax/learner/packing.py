@@ -9,6 +9,15 @@ jitted step sees only a few shapes during a whole run.
 Next-token shift: position t of a row predicts the token at t + 1 of the same segment, so
 `targets_BxT[t] = tokens[t + 1]` and `loss_mask_BxT[t] = gen_mask[t + 1]`; the last token of a
 segment predicts nothing. `coef_BxT` and `rollout_logp_BxT` are shifted the same way.
+
+Shared prefixes (`share_prefix_min` > 0): nodes whose trajectories start with the same prompt
+tokens (every node repeats the system prompt; the trees of a group repeat their root prompt)
+go into one row as a UNIT: the common prefix once, then each member's suffix, which keeps its
+own positions (continuing the prefix's) and sees the prefix and itself only (segment ids from
+`rao_jax.kernels.attention`: prefix -g, suffixes g * SUFFIX_BASE + m). A prefix ends before
+each member's first generated token and before the token that follows it in every member, so
+no prefix position carries a loss: the last prefix position, which would predict a different
+prompt token for each member, predicts nothing. Loss and gradients equal unshared packing's.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rao_jax.kernels.attention import shared_prefix_id, suffix_id
 from rao_jax.learner.rewards import Advantages
 
 
@@ -27,8 +37,10 @@ class Placement:
   tree_id: str
   node_id: str
   row: int
-  start: int
-  length: int
+  start: int        # where the trajectory's own tokens begin (after a shared prefix: its suffix)
+  length: int       # tokens at `start` (the whole trajectory, or its suffix)
+  prefix_start: int = -1   # a shared prefix's first position in the row, -1 if none
+  prefix_len: int = 0      # its tokens: the trajectory is prefix + suffix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +61,10 @@ class PackedBatch:
     normalization: "node_mean" or "token_sum": how coef_BxT and normalizer were built.
     placements: one Placement per packed trajectory.
     num_rows_used: rows holding at least one trajectory (<= B).
-    stats: logging scalars: packing_efficiency (real tokens / B*T), row_fill (real tokens /
-      used rows * T), rows, rows_used, real_tokens, loss_tokens, nodes_packed,
+    stats: logging scalars: packing_efficiency (packed tokens / B*T), row_fill (packed tokens
+      / used rows * T), rows, rows_used, real_tokens (the trajectories' tokens), packed_tokens
+      (the tokens the rows hold: real tokens less those shared prefixes saved),
+      shared_prefix_saved (real - packed), shared_prefix_units, loss_tokens, nodes_packed,
       nodes_skipped_no_generated, nodes_skipped_zero_advantage.
   """
   tokens_BxT: np.ndarray
@@ -116,10 +130,47 @@ def _check_node(tree, node, row_len: int) -> tuple[np.ndarray, np.ndarray, np.nd
   return tokens, gen, logp
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+  n = min(len(a), len(b), limit)
+  diff = np.flatnonzero(a[:n] != b[:n])
+  return int(diff[0]) if len(diff) else n
+
+
+def _prefix_units(items, row_len: int, min_shared: int) -> list[tuple[list, int]]:
+  """Groups packing items into units (members, shared prefix length; 0 = a plain segment).
+
+  A member can share at most up to one token before its first generated token (so that token,
+  the suffix's first, is a prompt token: no prefix position carries a loss). Items are sorted
+  by their shareable tokens, so those with long common prefixes are neighbours, and a sweep
+  grows each unit while sharing saves more tokens ((n - 1) L for n members of prefix L) and
+  the unit still fits one row.
+  """
+  if min_shared <= 0:
+    return [([it], 0) for it in items]
+  caps = {it[1]: int(np.argmax(it[3] == 1)) - 1 for it in items}   # first generated - 1
+  order = sorted(items, key=lambda it: tuple(it[2][:caps[it[1]]].tolist()))
+  units: list[tuple[list, int]] = []
+  members, L, size = [], 0, 0
+  for it in order:
+    if members:
+      shared = min(L, _common_prefix(members[0][2], it[2], caps[it[1]]))
+      n = len(members)
+      new_size = shared + sum(m[0] - shared for m in members) + it[0] - shared
+      if shared >= min_shared and n * shared > (n - 1) * L and new_size <= row_len:
+        members.append(it)
+        L, size = shared, new_size
+        continue
+      units.append((members, L if len(members) > 1 else 0))
+    members, L, size = [it], caps[it[1]], it[0]
+  if members:
+    units.append((members, L if len(members) > 1 else 0))
+  return units
+
+
 def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
                bucket_rows: Sequence[int] = tuple(range(4, 129, 4)), *, loss: str = "rao",
                token_sum_normalizer: float = 1024.0,
-               drop_zero_advantage: bool = False) -> PackedBatch:
+               drop_zero_advantage: bool = False, share_prefix_min: int = 0) -> PackedBatch:
   """Packs every node trajectory of `trees` into a fixed-shape batch.
 
   Args:
@@ -131,6 +182,9 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
     token_sum_normalizer: the constant C of "token_sum"-normalized losses.
     drop_zero_advantage: skip nodes with A(v) = 0 (they add nothing to the policy-gradient
       term; keep them when a KL penalty is on). N in the normalizer still counts them.
+    share_prefix_min: nodes whose trajectories share at least this many prompt tokens share one
+      copy of them in a row (see the module doc); 0 = every node its own segment. Rows with
+      shared prefixes need the model called with ``shared_prefix=True``.
 
   Returns:
     PackedBatch.
@@ -167,11 +221,13 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
       continue
     items.append((len(tokens), i, tokens, gen, logp))
 
-  # Best-fit decreasing: longest first, each into the fullest row that still has room.
-  items.sort(key=lambda it: (-it[0], it[1]))
+  # Best-fit decreasing over units: longest first, each into the fullest row with room.
+  units = [(members, L, L + sum(m[0] - L for m in members))
+           for members, L in _prefix_units(items, row_len, share_prefix_min)]
+  units.sort(key=lambda u: (-u[2], u[0][0][1]))
   free: list[int] = []
   where: list[tuple[int, int]] = []
-  for length, *_ in items:
+  for _, _, length in units:
     best = -1
     for r, room in enumerate(free):
       if room >= length and (best < 0 or room < free[best]):
@@ -200,39 +256,65 @@ def pack_trees(trees: Sequence[Any], adv: Advantages, row_len: int,
   kl_weight_BxT = np.zeros(shape, np.float32)
   rollout_logp_BxT = np.zeros(shape, np.float32)
   segments_in_row = [0] * num_rows
+  units_in_row = [0] * num_rows
   placements = []
-  real_tokens = loss_tokens = 0
-  for (length, i, tokens, gen, logp), (row, start) in zip(items, where):
-    segments_in_row[row] += 1
-    sl = slice(start, start + length)
-    pred = slice(start, start + length - 1)   # positions that predict a next token
-    tokens_BxT[row, sl] = tokens
-    targets_BxT[row, pred] = tokens[1:]
-    positions_BxT[row, sl] = np.arange(length)
-    segment_ids_BxT[row, sl] = segments_in_row[row]
-    target_gen = gen[1:].astype(bool)
-    n_gen = int(target_gen.sum())   # |M_v|
-    loss_mask_BxT[row, pred] = target_gen
-    wa = adv.weight_N[i] * adv.advantage_N[i]
-    if spec.normalization == "node_mean":
-      coef, klw = wa / n_gen, adv.weight_N[i] / n_gen
-    else:
-      coef, klw = wa, adv.weight_N[i]
-    coef_BxT[row, pred] = np.where(target_gen, coef, 0.0)
-    kl_weight_BxT[row, pred] = np.where(target_gen, klw, 0.0)
-    rollout_logp_BxT[row, pred] = np.where(target_gen, logp[1:], 0.0)
-    placements.append(Placement(i, adv.tree_ids[i], adv.node_ids[i], row, start, length))
-    real_tokens += length
-    loss_tokens += n_gen
+  real_tokens = loss_tokens = shared_units = 0
+  for (members, L, unit_len), (row, start) in zip(units, where):
+    prefix_start = -1
+    if L:
+      # The shared prefix: its positions predict the next prefix token (never a loss: prompt
+      # tokens) and its last position predicts nothing (each member continues differently).
+      units_in_row[row] += 1
+      shared_units += 1
+      g = units_in_row[row]
+      tokens = members[0][2]
+      tokens_BxT[row, start:start + L] = tokens[:L]
+      targets_BxT[row, start:start + L - 1] = tokens[1:L]
+      positions_BxT[row, start:start + L] = np.arange(L)
+      segment_ids_BxT[row, start:start + L] = shared_prefix_id(g)
+      prefix_start, start = start, start + L
+    for m, (length, i, tokens, gen, logp) in enumerate(members, 1):
+      if L:
+        seg = suffix_id(units_in_row[row], m)
+      else:
+        segments_in_row[row] += 1
+        seg = segments_in_row[row]
+      n = length - L                  # the tokens this member adds to the row
+      sl = slice(start, start + n)
+      pred = slice(start, start + n - 1)   # positions that predict a next token
+      tokens_BxT[row, sl] = tokens[L:]
+      targets_BxT[row, pred] = tokens[L + 1:]
+      positions_BxT[row, sl] = np.arange(L, length)
+      segment_ids_BxT[row, sl] = seg
+      target_gen = gen[L + 1:].astype(bool)
+      n_gen = int(gen[1:].sum())   # |M_v| (no generated token is in a shared prefix)
+      loss_mask_BxT[row, pred] = target_gen
+      wa = adv.weight_N[i] * adv.advantage_N[i]
+      if spec.normalization == "node_mean":
+        coef, klw = wa / n_gen, adv.weight_N[i] / n_gen
+      else:
+        coef, klw = wa, adv.weight_N[i]
+      coef_BxT[row, pred] = np.where(target_gen, coef, 0.0)
+      kl_weight_BxT[row, pred] = np.where(target_gen, klw, 0.0)
+      rollout_logp_BxT[row, pred] = np.where(target_gen, logp[L + 1:], 0.0)
+      placements.append(Placement(i, adv.tree_ids[i], adv.node_ids[i], row, start, n,
+                                  prefix_start, L))
+      start += n
+      real_tokens += length
+      loss_tokens += n_gen
+  packed_tokens = sum(row_len - f for f in free)
 
   normalizer = float(adv.num_train_nodes) if spec.normalization == "node_mean" else float(
       token_sum_normalizer)
   stats = {
-      "packing_efficiency": real_tokens / (num_rows * row_len),
-      "row_fill": real_tokens / max(rows_used * row_len, 1),
+      "packing_efficiency": packed_tokens / (num_rows * row_len),
+      "row_fill": packed_tokens / max(rows_used * row_len, 1),
       "rows": float(num_rows),
       "rows_used": float(rows_used),
       "real_tokens": float(real_tokens),
+      "packed_tokens": float(packed_tokens),
+      "shared_prefix_saved": float(real_tokens - packed_tokens),
+      "shared_prefix_units": float(shared_units),
       "loss_tokens": float(loss_tokens),
       "nodes_packed": float(len(items)),
       "nodes_skipped_no_generated": float(skipped_empty),

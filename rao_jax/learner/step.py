@@ -112,14 +112,16 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
-def _forward(graphdef, params, mb):
+def _forward(graphdef, params, mb, cfg: LearnerConfig):
   model = nnx.merge(graphdef, params)
-  return model, model(mb["tokens_BxT"], mb["positions_BxT"], mb["segment_ids_BxT"])
+  return model, model(mb["tokens_BxT"], mb["positions_BxT"], mb["segment_ids_BxT"],
+                      shared_prefix=cfg.shared_prefix_tokens() > 0)
 
 
-def _logprobs(graphdef, params, mb, temperature):
+def _logprobs(graphdef, params, mb, cfg: LearnerConfig):
   # Log-probs of the loss positions only (0 elsewhere): the LM head skips the prompts.
-  model, hidden_BxTxD = _forward(graphdef, params, mb)
+  temperature = cfg.temperature
+  model, hidden_BxTxD = _forward(graphdef, params, mb, cfg)
   return token_logprobs(model, hidden_BxTxD, mb["targets_BxT"], temperature=temperature,
                         mask_BxT=mb["loss_mask_BxT"])
 
@@ -145,13 +147,13 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
   if spec.linear and cfg.kl_coef <= 0:
     # -sum(coef * logp) with the LM head's gradient computed in the forward pass (no logits
     # recomputed in the backward). The KL term needs logp's own gradient: generic path then.
-    model, hidden_BxTxD = _forward(graphdef, params, mb)
+    model, hidden_BxTxD = _forward(graphdef, params, mb, cfg)
     pg_sum, logp_BxT = token_logprob_sum(
         model, hidden_BxTxD, mb["targets_BxT"], jnp.where(mask, -mb["coef_BxT"], 0.0),
         temperature=cfg.temperature, mask_BxT=mask)
     aux = {}
   else:
-    logp_BxT = _logprobs(graphdef, params, mb, cfg.temperature)
+    logp_BxT = _logprobs(graphdef, params, mb, cfg)
     pg_sum, aux = spec.fn(logp_BxT, mb, cfg)
   aux = dict(aux)
   aux["pg_loss"] = pg_sum / normalizer
@@ -161,7 +163,7 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
   aux["loss_tokens"] = jnp.sum(mask.astype(jnp.float32))
   total = pg_sum
   if cfg.kl_coef > 0:
-    ref_logp = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, mb, cfg.temperature))
+    ref_logp = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, mb, cfg))
     kl_sum = losses_lib.kl_penalty(logp_BxT, ref_logp, mb)
     aux["kl"] = kl_sum / normalizer
     total = total + cfg.kl_coef * kl_sum
@@ -385,7 +387,8 @@ class Learner:
     adv = self.advantages(trees, self.cfg)
     batch = pack_trees(trees, adv, self.cfg.row_len, self.cfg.bucket_rows, loss=self.cfg.loss,
                        token_sum_normalizer=self.cfg.token_sum_normalizer,
-                       drop_zero_advantage=self.cfg.kl_coef == 0)
+                       drop_zero_advantage=self.cfg.kl_coef == 0,
+                       share_prefix_min=self.cfg.shared_prefix_tokens())
     return batch, adv
 
   def _check_batch(self, arrays: Mapping[str, np.ndarray]) -> None:

@@ -227,11 +227,12 @@ def _block(cfg: ModelConfig, p, x_BxTxD, cos, sin, attend):
   return _post_attention(cfg, p, x_BxTxD, attend(q, k, v))
 
 
-def _self_attention(cfg: ModelConfig, segment_ids_BxT):
+def _self_attention(cfg: ModelConfig, segment_ids_BxT, shared_prefix: bool):
   """``attend(q, k, v)`` for the full forward: the platform's kernel (``rao_jax.kernels``)."""
   return lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT,
                                                     block=cfg.attention_block,
-                                                    kernels=cfg.kernels)
+                                                    kernels=cfg.kernels,
+                                                    shared_prefix=shared_prefix)
 
 
 def _remat(cfg: ModelConfig, fn):
@@ -290,22 +291,25 @@ class Transformer(nnx.Module):
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
   # ---- 1) full forward over packed rows -------------------------------------------------------
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT):
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, *, shared_prefix=False):
     """Final-normed hidden states [B, T, D] (dtype cfg.dtype) of packed rows.
 
     Args:
       tokens_BxT: int token ids.
-      positions_BxT: int position of each token within its segment (RoPE uses these).
+      positions_BxT: int position of each token within its trajectory (RoPE uses these).
       segment_ids_BxT: int; tokens attend causally and only within the same segment id.
         0 marks padding (padding attends only to padding, so nothing real ever reads it).
+      shared_prefix: static; True when the ids may name shared prefixes, whose suffixes also
+        see their prefix (``rao_jax.kernels.attention.segments_see``; the learner's packing).
     """
-    return self.forward_embeddings(self._embed(tokens_BxT), positions_BxT, segment_ids_BxT)
+    return self.forward_embeddings(self._embed(tokens_BxT), positions_BxT, segment_ids_BxT,
+                                   shared_prefix=shared_prefix)
 
-  def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+  def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT, *, shared_prefix=False):
     """As ``__call__`` but from input embeddings [B, T, D] instead of token ids."""
     cfg = self.cfg
     cos, sin = rope_cos_sin(cfg, positions_BxT)
-    attend = _self_attention(cfg, segment_ids_BxT)
+    attend = _self_attention(cfg, segment_ids_BxT, shared_prefix)
     block = _remat(cfg, lambda p, x: _block(cfg, p, x, cos, sin, attend))
     x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype), lambda p, x, _: (block(p, x), None))
     return rms_norm(x, self.final_norm[...], cfg.rms_eps)

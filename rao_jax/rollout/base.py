@@ -20,6 +20,21 @@ class FinishReason(str, enum.Enum):
   ABORT = "abort"          # aborted (by the caller, a weight update policy, or a dead server)
 
 
+class EngineUnavailableError(RuntimeError):
+  """No server of an engine has answered for longer than its retry timeout.
+
+  Not a failure of the agent or of one tree: the run cannot go on until a server is back, so
+  the trainer stops there with a checkpoint (and resumes when started again).
+
+  Attributes:
+    urls: the servers that were tried.
+  """
+
+  def __init__(self, message: str, urls: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.urls = tuple(urls)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Sampling parameters (SGLang's names and defaults). temperature 0 means greedy.
@@ -171,6 +186,19 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def weight_version(self) -> int | str:
     ...
+
+  def check_available(self) -> None:
+    """Raises EngineUnavailableError when the engine cannot serve at all now (every server it
+    sends to has been down past its retry timeout). An engine whose generate failed for that
+    reason raised the same error, which a tree runner records as an infrastructure failure of
+    the tree; the trainer calls this after a step's rollouts to stop the run instead of
+    training on a step of failed trees. Engines that hold their own weights are always
+    available (this default)."""
+
+  def health_metrics(self) -> dict[str, float]:
+    """Counters about the engine's servers (servers up, failures, re-syncs) for the trainer's
+    metrics; engines without servers have none (this default)."""
+    return {}
 
   async def close(self) -> None:
     """Releases resources."""

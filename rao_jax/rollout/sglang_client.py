@@ -3,16 +3,27 @@
 Token in, token out: requests send ``input_ids`` with ``return_logprob`` and ``no_stop_trim``
 and explicit sampling parameters; tokens and logprobs are read from
 ``meta_info.output_token_logprobs`` (their count is checked against ``completion_tokens``).
-Connection errors, timeouts and 5xx answers are retried with exponential backoff, on another
-server when there are several; a request that cannot be served in ``retry_timeout`` seconds
-returns FinishReason.ABORT (never hangs). Requests the server aborted on its own (a weight
+
+Failover (``rao_jax.rollout.server_pool``): a server that fails a request (connection refused or
+reset, a timeout, HTTP 5xx) is marked down and gets no new request until its ``/health``
+answers again and it has been re-synced to the run's current weights; the failed request is
+retried at once on a server that is up. Other failures (429, a malformed answer) are retried
+with exponential backoff; a request still failing ``retry_timeout`` seconds after its first
+failure returns FinishReason.ABORT (never hangs). When every server has been down for
+``retry_timeout`` seconds, ``generate``, ``update_weights`` and ``check_available`` raise
+EngineUnavailableError naming the URLs. Requests the server aborted on its own (a weight
 update pausing with mode "abort") are continued: prompt + partial output is re-sent with the
 remaining token budget, and the pieces are joined.
 
 Weight sync (``Engine.update_weights``) exports the model as an HF checkpoint folder under
 ``export_root`` and follows the SGLang RL recipe on every server (``update_weights_from_disk``):
 pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk ->
-continue_generation.
+continue_generation. Servers that are down are skipped (they are re-synced when they return);
+a server that fails its update is marked down.
+
+Servers started with ``--api-key`` (SGLang's, or rao_jax.rollout.serve's) get it as
+``Authorization: Bearer <key>`` on every request (``api_key=``; entry points read it from
+``RAO_JAX_API_KEY``, never from a config); a 401 raises at once instead of being retried.
 
 Server quirks handled: refusals come as ``{"error": {"message": ...}}`` (SGLang's /generate) or
 flat ``{"object": "error", "message": ...}`` (its request validation, OpenAI-style), and both
@@ -31,14 +42,21 @@ import json
 import logging
 import os
 import random
+import time
 import uuid
 from typing import Any, Sequence
 
 import aiohttp
 
-from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
+from rao_jax.rollout.base import (Engine, FinishReason,
+                                  GenerateRequest, GenerateResult)
+from rao_jax.rollout.server_pool import ServerPool
 
 log = logging.getLogger(__name__)
+
+# The environment variable the entry points read the servers' key from; rao_jax.rollout.serve's
+# --api-key defaults to it too (its door imports this name: one spelling for both ends).
+API_KEY_ENV = "RAO_JAX_API_KEY"
 
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               ConnectionError)
@@ -64,6 +82,24 @@ def error_message(data: Any) -> str:
   return str(data)[:500]
 
 
+def auth_headers(api_key: str | None) -> dict[str, str] | None:
+  """The ``Authorization`` header carrying ``api_key`` (None without one)."""
+  if api_key is None or api_key == "":
+    return None
+  if not isinstance(api_key, str) or api_key != api_key.strip() or any(
+      c in api_key for c in "\r\n"):
+    # Not echoed: the value is a secret.
+    raise ValueError("api_key: give the server's key as one line of text without surrounding "
+                     "spaces.")
+  return {"Authorization": f"Bearer {api_key}"}
+
+
+def api_key_from_env(name: str = API_KEY_ENV) -> str | None:
+  """The rollout servers' API key from the environment variable ``name`` (None when unset or
+  empty): how entry points hand the key to the clients without writing it anywhere."""
+  return os.environ.get(name) or None
+
+
 def honours_seed(server_info: Any) -> bool:
   """Whether a server's /get_server_info says it reproduces ``sampling_seed``."""
   if not isinstance(server_info, dict):
@@ -79,7 +115,10 @@ class ClientConfig:
   Attributes:
     request_timeout: seconds one HTTP /generate may take.
     connect_timeout: seconds to establish a connection.
-    retry_timeout: seconds a request keeps retrying before it is reported aborted.
+    retry_timeout: seconds a request keeps retrying after its first failure before it is
+      reported aborted; and seconds every server may be down before the client raises
+      EngineUnavailableError (the trainer then stops with a checkpoint).
+    health_interval: seconds between two health checks of a server marked down.
     backoff: first retry delay in seconds (doubles each retry, with jitter).
     max_backoff: cap on the retry delay.
     max_continuations: times a server-aborted request is continued before giving up.
@@ -90,6 +129,7 @@ class ClientConfig:
   request_timeout: float = 600.0
   connect_timeout: float = 10.0
   retry_timeout: float = 120.0
+  health_interval: float = 1.0
   backoff: float = 0.25
   max_backoff: float = 4.0
   max_continuations: int = 16
@@ -118,20 +158,29 @@ class SGLangEngine(Engine):
       folder each); every server must be able to read it (a shared filesystem when they run
       on other hosts). None: ``update_weights`` refuses, ``update_weights_from_disk`` works.
     tokenizer: written into each exported checkpoint (None: weights and config only).
+    api_key: sent as ``Authorization: Bearer <api_key>`` on every request (the servers'
+      ``--api-key``); None sends none. Kept out of the config, logs and errors.
   """
 
   def __init__(self, urls: str | Sequence[str], config: ClientConfig | None = None, *,
                weight_version: int | str = 0, export_root: str | None = None, tokenizer=None,
-               **kwargs):
+               api_key: str | None = None, **kwargs):
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                            for u in urls):
       raise ValueError(f"SGLangEngine urls={urls!r}: give one or more http(s):// base URLs.")
-    self.urls = [u.rstrip("/") for u in urls]
+    # One entry per server: the same server given twice would be synced twice.
+    self.urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
     self.config = config if config is not None else ClientConfig(**kwargs)
+    self.pool = ServerPool(self.urls, retry_timeout=self.config.retry_timeout,
+                           health_interval=self.config.health_interval, health=self._health,
+                           resync=self._resync)
+    # (checkpoint folder, version) of the newest weight sync: what a returning server loads.
+    self._synced: tuple[str, str] | None = None
     self._version = weight_version
     self.export_root = export_root
     self.tokenizer = tokenizer
+    self._headers = auth_headers(api_key)
     self._inflight = {u: 0 for u in self.urls}
     self._rr = 0
     self._sessions: dict[str, str] = {}
@@ -153,14 +202,20 @@ class SGLangEngine(Engine):
       c = self.config
       self._http = aiohttp.ClientSession(
           timeout=aiohttp.ClientTimeout(total=c.request_timeout, sock_connect=c.connect_timeout),
-          connector=aiohttp.TCPConnector(limit=0, force_close=False))
+          connector=aiohttp.TCPConnector(limit=0, force_close=False), headers=self._headers)
       self._http_loop = loop
     return self._http
 
-  def _pick(self, session_id: str | None, avoid: str | None) -> str:
-    if session_id is not None and self._sessions.get(session_id) not in (None, avoid):
-      return self._sessions[session_id]
-    cands = [u for u in self.urls if u != avoid] or self.urls
+  async def _pick(self, session_id: str | None, avoid: str | None) -> str:
+    """A server that is up (waiting for one while all are down, see ServerPool)."""
+    self.pool.ensure_probes()
+    if not self.pool.healthy():
+      await self.pool.wait_for_any()
+    up = self.pool.healthy()
+    sticky = self._sessions.get(session_id) if session_id is not None else None
+    if sticky is not None and sticky != avoid and self.pool.up.get(sticky):
+      return sticky
+    cands = [u for u in up if u != avoid] or up
     self._rr += 1
     url = min(cands, key=lambda u: (self._inflight[u], (self.urls.index(u) - self._rr)
                                     % len(self.urls)))
@@ -269,10 +324,9 @@ class SGLangEngine(Engine):
 
   async def _generate_once(self, rid, request, ids, max_new):
     """One /generate with retries. Returns (meta, tokens, logprobs), or (None, message, None)
-    when it could not be served."""
+    when it could not be served. Raises EngineUnavailableError when every server is gone."""
     c = self.config
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + c.retry_timeout
+    deadline = None     # retry_timeout counts from the first failure, not from the start
     delay = c.backoff
     avoid = None
     attempt = 0
@@ -280,31 +334,49 @@ class SGLangEngine(Engine):
     while True:
       if rid in self._aborted:
         return None, "aborted by the caller", None
-      url = self._pick(request.session_id, avoid)
+      url = await self._pick(request.session_id, avoid)
+      if rid in self._aborted:      # the caller gave up while every server was down
+        return None, "aborted by the caller", None
       if request.params.seed is not None and url not in self._seed_checked:
         await self._check_seed(url)
       http_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
       self._current[rid] = (url, http_rid)
       self._inflight[url] += 1
+      self.pool.stats[url].generate += 1
+      down = False
       try:
         status, data = await self._post(url, "/generate",
                                         self._payload(request, ids, max_new, http_rid))
         if status >= 500 or status == 429:
+          down = status != 429          # 429 is a busy server, not a broken one
           raise ServerError(f"HTTP {status}: {str(data)[:200]}")
         if status != 200:
           raise ValueError(f"{url}/generate refused the request (HTTP {status}): "
                            f"{error_message(data)}")
         return (data["meta_info"], *self._read_tokens(data))
-      except (ServerError, KeyError, TypeError) + _RETRYABLE as e:
+      except _RETRYABLE as e:
+        down = True
+        last_error = f"{type(e).__name__}: {e}"
+      except (ServerError, KeyError, TypeError) as e:
         last_error = f"{type(e).__name__}: {e}"
       finally:
         self._inflight[url] -= 1
       attempt += 1
+      now = time.monotonic()
+      deadline = deadline if deadline is not None else now + c.retry_timeout
+      if down:
+        self.pool.mark_down(url, last_error)
       if len(self.urls) > 1:
         avoid = url
       if request.session_id is not None:
         self._sessions.pop(request.session_id, None)
-      if loop.time() + delay > deadline:
+      if down and now < deadline:
+        # The server is out of rotation: the next pick is another one that is up (or waits
+        # for one to return), so there is nothing to back off from.
+        log.info("request %s: %s failed (%s); retrying on another server", rid, url,
+                 last_error)
+        continue
+      if now + delay > deadline:
         log.warning("request %s gave up after %d attempts: %s", rid, attempt, last_error)
         return None, f"server unreachable after {attempt} attempts: {last_error}", None
       log.info("request %s attempt %d failed (%s); retrying in %.2f s", rid, attempt,
@@ -356,14 +428,20 @@ class SGLangEngine(Engine):
     self._sessions.pop(session_id, None)
 
   # ---- control --------------------------------------------------------------------------------
-  async def _control(self, url: str, path: str, body=None, ok=(200,)):
-    """A control POST retried on connection errors until retry_timeout."""
+  async def _control(self, url: str, path: str, body=None, patience: float | None = None):
+    """A control POST retried on connection errors and 5xx for ``patience`` seconds (default
+    retry_timeout; 0: one try); then raises ConnectionError."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + self.config.retry_timeout
+    patience = self.config.retry_timeout if patience is None else patience
+    deadline = loop.time() + patience
     delay = self.config.backoff
     while True:
       try:
         status, data = await self._post(url, path, body, timeout=self.config.request_timeout)
+        if status == 401:      # retrying cannot help: say so now, not after the flush timeout
+          raise PermissionError(f"{url}{path} refused the client (HTTP 401): "
+                                f"{error_message(data)} Give the client the server's key "
+                                f"(api_key=, or the {API_KEY_ENV} environment variable).")
         if status < 500:
           return status, data
         err = f"HTTP {status}"
@@ -375,21 +453,38 @@ class SGLangEngine(Engine):
       delay = min(delay * 2, self.config.max_backoff)
 
   async def update_weights_from_disk(self, model_path: str, version: int | str) -> None:
-    """Loads an HF checkpoint folder on every server: pause -> flush -> update -> continue.
+    """Loads an HF checkpoint folder on every server that is up: pause -> flush -> update ->
+    continue. Servers that are down load it when they return (before any request); one that
+    fails its update is marked down. With every server down, waits for one to return (it
+    loads this version first), raising EngineUnavailableError past the retry timeout.
 
     Requests in flight are aborted by the pause and continued by their ``generate`` calls
     once generation resumes (with the new weights for the remaining tokens).
     """
-    await asyncio.gather(*[self._update_one(u, model_path, version) for u in self.urls])
+    # Set first: a server a probe is re-syncing now must end on this version, not the last.
+    self._synced = (model_path, str(version))
+    done = await asyncio.gather(*[self._sync_one(u, model_path, version)
+                                  for u in self.pool.healthy()])
+    if not any(done):
+      await self.pool.wait_for_any()
     self._version = str(version)
 
-  async def _update_one(self, url, model_path, version):
+  async def _sync_one(self, url, model_path, version) -> bool:
+    """Updates one server; False when it failed like a dead server (then marked down)."""
+    try:
+      await self._update_one(url, model_path, version, patience=0)
+      return True
+    except (ConnectionError,) + _RETRYABLE as e:
+      self.pool.mark_down(url, f"weight update failed: {type(e).__name__}: {e}")
+      return False
+
+  async def _update_one(self, url, model_path, version, patience=None):
     loop = asyncio.get_running_loop()
-    await self._control(url, "/pause_generation", {"mode": "abort"})
+    await self._control(url, "/pause_generation", {"mode": "abort"}, patience)
     try:
       deadline = loop.time() + self.config.flush_timeout
       while True:   # 400 while requests are still draining: retry until 200
-        status, _ = await self._control(url, "/flush_cache")
+        status, _ = await self._control(url, "/flush_cache", patience=patience)
         if status == 200:
           break
         if loop.time() > deadline:
@@ -398,11 +493,57 @@ class SGLangEngine(Engine):
         await asyncio.sleep(0.1)
       status, data = await self._control(
           url, "/update_weights_from_disk",
-          {"model_path": model_path, "weight_version": str(version), "flush_cache": True})
+          {"model_path": model_path, "weight_version": str(version), "flush_cache": True},
+          patience)
       if status != 200 or not (isinstance(data, dict) and data.get("success")):
         raise RuntimeError(f"{url}/update_weights_from_disk failed (HTTP {status}): {data}")
     finally:
-      await self._control(url, "/continue_generation")
+      try:
+        await self._control(url, "/continue_generation", patience=patience)
+      except (ConnectionError,) + _RETRYABLE as e:
+        # A server that died mid-update: the error of the step that failed is the one to see.
+        log.info("%s/continue_generation failed: %s", url, e)
+
+  # ---- failover (ServerPool's callbacks) ------------------------------------------------------
+  async def _health(self, url: str) -> bool:
+    """One health check of a down server: its GET /health answers 200."""
+    async with self._session().get(
+        url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)
+    ) as resp:
+      return resp.status == 200
+
+  async def _server_version(self, url: str) -> str:
+    async with self._session().get(
+        url + "/get_weight_version",
+        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)) as resp:
+      data = await resp.json(content_type=None)
+      if resp.status == 401:   # a key problem is the user's to fix, not a server that is down
+        raise PermissionError(f"{url}/get_weight_version refused the client (HTTP 401): "
+                              f"{error_message(data)}; check the servers' --api-key and "
+                              "RAO_JAX_API_KEY.")
+      return str(data["weight_version"])
+
+  async def _resync(self, url: str) -> str | None:
+    """Brings a returning server to the newest synced weights; returns the version it serves
+    (None: no sync yet, it serves the weights it started with, as every server did)."""
+    while self._synced is not None:
+      target = self._synced
+      model_path, version = target
+      if await self._server_version(url) != version:
+        await self._update_one(url, model_path, version, patience=0)
+        self.pool.stats[url].resyncs += 1
+      if self._synced == target:      # no newer sync began meanwhile
+        return version
+    return None
+
+  def check_available(self) -> None:
+    """Raises EngineUnavailableError when every server has been down past retry_timeout."""
+    err = self.pool.unavailable_error()
+    if err is not None:
+      raise err
+
+  def health_metrics(self) -> dict[str, float]:
+    return self.pool.metrics()
 
   def export_dir(self, version: int | str) -> str:
     """The folder ``update_weights`` writes version ``version`` to."""
@@ -411,7 +552,8 @@ class SGLangEngine(Engine):
                        "it with export_root=<a folder every server can read> (the trainer "
                        "passes <workdir>/weights).")
     name = f"v{version:06d}" if isinstance(version, int) else f"v{version}"
-    return os.path.join(self.export_root, name)
+    # Absolute: a server resolves a relative path against its own working directory.
+    return os.path.join(os.path.abspath(self.export_root), name)
 
   async def update_weights(self, model, version: int | str) -> None:
     """Exports ``model`` as an HF checkpoint folder (``export_dir(version)``) and has every
@@ -423,164 +565,19 @@ class SGLangEngine(Engine):
     await asyncio.to_thread(export_hf, model, None, self.tokenizer, out)
     await self.update_weights_from_disk(out, version)
 
-  async def get_weight_versions(self) -> dict[str, str]:
-    """Each server's current weight version."""
+  async def get_weight_versions(self) -> dict[str, str | None]:
+    """Each server's current weight version (None for a server that does not answer)."""
     out = {}
     for u in self.urls:
-      async with self._session().get(u + "/get_weight_version") as resp:
-        out[u] = (await resp.json())["weight_version"]
+      try:
+        out[u] = await self._server_version(u)
+      except _RETRYABLE + (ValueError, KeyError):
+        out[u] = None
     return out
 
   async def close(self) -> None:
+    await self.pool.close()
     if self._http is not None and not self._http.closed:
       await self._http.close()
     self._http = None
 
-
-class OpenAIEngine(Engine):
-  """An Engine over an OpenAI-compatible ``/v1/completions`` server (vLLM, SGLang's OpenAI
-  API, rao_jax.rollout.serve), for evaluation: prompts go as token ids; the output's ids come
-  from the answer's ``token_ids`` when the server returns them (``return_token_ids``, vLLM's
-  extension, which serve honours) and otherwise from re-encoding the text (a matched stop
-  token is then appended). Re-encoded ids can differ from what the server sampled, so train
-  only on rollouts from engines that return ids (SGLangEngine); ``logprobs`` are the
-  server's when it returns one per id, else zeros.
-
-  Args:
-    url: the server's base URL (``http://host:port``, without ``/v1``).
-    tokenizer: encodes returned text when the server gives no ids.
-    model: the ``model`` field sent (default: the first id ``/v1/models`` lists).
-    config: a ClientConfig (timeouts and retries).
-  """
-
-  def __init__(self, url: str, tokenizer, model: str | None = None,
-               config: ClientConfig | None = None, **kwargs):
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-      raise ValueError(f"OpenAIEngine url={url!r}: give an http(s):// base URL.")
-    self.url = url.rstrip("/").removesuffix("/v1")
-    self.tokenizer = tokenizer
-    self.model = model
-    self.config = config if config is not None else ClientConfig(**kwargs)
-    self._ids_supported = True
-    self._http: aiohttp.ClientSession | None = None
-    self._http_loop = None
-
-  @property
-  def weight_version(self) -> int | str:
-    return f"openai:{self.model}"
-
-  async def update_weights(self, model, version: int | str) -> None:
-    """Refused: the OpenAI API has no weight-update route, so this engine cannot follow a
-    learner (serving stale weights silently would train off-policy)."""
-    raise RuntimeError("OpenAIEngine cannot load new weights (the OpenAI API has no route for "
-                       "it); train with SGLangEngine or the embedded engine.")
-
-  def _session(self) -> aiohttp.ClientSession:
-    loop = asyncio.get_running_loop()
-    if self._http is None or self._http.closed or self._http_loop is not loop:
-      c = self.config
-      self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-          total=c.request_timeout, sock_connect=c.connect_timeout))
-      self._http_loop = loop
-    return self._http
-
-  async def _call(self, method: str, path: str, body=None):
-    """One request with retries on connection errors and 5xx; returns (status, JSON)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + self.config.retry_timeout
-    delay = self.config.backoff
-    while True:
-      try:
-        async with self._session().request(method, self.url + path, json=body) as resp:
-          text = await resp.text()
-          try:
-            data = json.loads(text) if text else None
-          except ValueError:
-            data = text
-          if resp.status < 500 and resp.status != 429:
-            return resp.status, data
-          err = f"HTTP {resp.status}: {str(data)[:200]}"
-      except _RETRYABLE as e:
-        err = f"{type(e).__name__}: {e}"
-      if loop.time() + delay > deadline:
-        raise ConnectionError(f"{self.url}{path} failed until the retry timeout: {err}")
-      await asyncio.sleep(delay * (0.5 + random.random()))
-      delay = min(delay * 2, self.config.max_backoff)
-
-  async def generate(self, request: GenerateRequest) -> GenerateResult:
-    p = request.params
-    prompt = [int(t) for t in request.prompt_ids]
-    if not prompt:
-      raise ValueError("GenerateRequest.prompt_ids is empty: give at least one token id.")
-    budget, capped = p.max_new_tokens, False
-    if request.context_limit is not None:
-      room = request.context_limit - len(prompt)
-      if room <= 0:
-        return GenerateResult([], [], FinishReason.CONTEXT, self.weight_version, len(prompt),
-                              message=f"the prompt ({len(prompt)} tokens) already fills the "
-                                      f"context limit ({request.context_limit} tokens)")
-      if room < budget:
-        budget, capped = room, True
-    if self.model is None:
-      status, data = await self._call("GET", "/v1/models")
-      try:
-        self.model = data["data"][0]["id"]
-      except (KeyError, IndexError, TypeError) as e:
-        raise ServerError(f"{self.url}/v1/models listed no model (HTTP {status}): "
-                          f"{error_message(data)}") from e
-    body = {"model": self.model, "prompt": prompt, "max_tokens": int(budget),
-            "temperature": float(p.temperature), "top_p": float(p.top_p), "logprobs": 0}
-    if p.top_k != -1:
-      body["top_k"] = int(p.top_k)
-    if p.seed is not None:
-      body["seed"] = int(p.seed)
-    if p.min_new_tokens:                 # vLLM / SGLang's name on the OpenAI route
-      body["min_tokens"] = int(p.min_new_tokens)
-    if p.stop:
-      body["stop"] = list(p.stop)
-    if p.stop_token_ids is not None:     # exactly these ids (vLLM / SGLang extensions)
-      body["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
-      body["ignore_eos"] = True
-    for k, off in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("min_p", 0.0),
-                   ("repetition_penalty", 1.0)):
-      if getattr(p, k) != off:
-        body[k] = float(getattr(p, k))
-    if self._ids_supported:
-      body["return_token_ids"] = True
-    status, data = await self._call("POST", "/v1/completions", body)
-    if status == 400 and self._ids_supported and "return_token_ids" in error_message(data):
-      self._ids_supported = False          # a strict server: fall back to re-encoding text
-      body.pop("return_token_ids")
-      status, data = await self._call("POST", "/v1/completions", body)
-    if status != 200:
-      raise ValueError(f"{self.url}/v1/completions refused the request (HTTP {status}): "
-                       f"{error_message(data)}")
-    try:
-      choice = data["choices"][0]
-      text, reason = choice.get("text") or "", choice.get("finish_reason")
-    except (KeyError, IndexError, TypeError) as e:
-      raise ServerError(f"malformed /v1/completions answer: {str(data)[:300]}") from e
-    ids = choice.get("token_ids")
-    if ids is None:
-      ids = list(self.tokenizer.encode(text))
-      matched = choice.get("matched_stop", choice.get("stop_reason"))
-      stops = (p.stop_token_ids if p.stop_token_ids is not None
-               else tuple(getattr(self.tokenizer, "stop_token_ids", ())))
-      if reason == "stop" and (isinstance(matched, int) or matched is None) and stops:
-        ids.append(int(matched) if isinstance(matched, int) else int(stops[0]))
-    ids = [int(t) for t in ids]
-    lps = ((choice.get("logprobs") or {}).get("token_logprobs") or [])
-    logps = [float(x) for x in lps] if len(lps) == len(ids) else [0.0] * len(ids)
-    if reason == "stop":
-      fr = FinishReason.STOP
-    elif reason == "length":
-      fr = FinishReason.CONTEXT if capped and len(ids) >= budget else FinishReason.LENGTH
-    else:
-      fr = FinishReason.ABORT
-    return GenerateResult(ids, logps, fr, self.weight_version, len(prompt),
-                          message="" if fr != FinishReason.ABORT else f"finish_reason={reason}")
-
-  async def close(self) -> None:
-    if self._http is not None and not self._http.closed:
-      await self._http.close()
-    self._http = None

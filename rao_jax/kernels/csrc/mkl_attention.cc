@@ -12,11 +12,13 @@
 // and the probabilities are never stored: the backward pass recomputes them block by block
 // from the saved log-sum-exp (as flash attention does), so memory is O(B T H), not O(B H T^2).
 //
-// Query i of row b sees key j iff j <= i and segment[b, j] == segment[b, i]; a query block
-// [a, a + Q) reads keys [k0, a + Q) only, where k0 is the first position of any of the block's
-// segments: the causal upper triangle and the keys of earlier segments are skipped. In a packed
-// row of nodes of ~500 tokens in 4,096, that is most of the lower triangle too. Every query
-// sees itself, so no row of the softmax is empty.
+// Query i of row b sees key j iff j <= i and Sees(segment[b, i], segment[b, j]): the same
+// segment, or the shared prefix (id -g) that its suffix (id g * 2^16 + m) continues, as
+// rao_jax/kernels/attention.py's segments_see defines. A query block [a, a + Q) reads keys
+// [k0, a + Q) only, where k0 is the first position of any segment the block's queries see: the
+// causal upper triangle and the keys of earlier segments are skipped. In a packed row of nodes
+// of ~500 tokens in 4,096, that is most of the lower triangle too. Every query sees itself, so
+// no row of the softmax is empty.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +34,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kQueryBlock = 64;
+constexpr int32_t kSuffixBase = 1 << 16;   // attention.py's SUFFIX_BASE
+
+// The prefix unit a suffix id continues (g > 0), else 0 (plain segments, padding, prefixes).
+inline int32_t PrefixUnit(int32_t si) { return si >= kSuffixBase ? si / kSuffixBase : 0; }
+
+inline bool Sees(int32_t si, int32_t unit, int32_t sk) {
+  return sk == si || (unit != 0 && sk == -unit);
+}
 
 struct Dims {
   int64_t B, T, H, K, h;
@@ -59,8 +69,9 @@ float* Scratch(std::vector<float>& buf, int64_t n) {
 }
 
 // The first key each query block needs: min over the block's queries of the first position of
-// their segment id in the row ([B, blocks]). Segments need not be contiguous for this to be
-// exact: a key before its query's first occurrence never shares its segment.
+// their segment id in the row, or of the shared prefix their suffix continues ([B, blocks]).
+// Segments need not be contiguous for this to be exact: a key before the first occurrence of
+// every segment its query sees is never seen.
 std::vector<int64_t> BlockKeyStarts(const int32_t* seg, int64_t B, int64_t T) {
   const int64_t blocks = (T + kQueryBlock - 1) / kQueryBlock;
   std::vector<int64_t> starts(B * blocks);
@@ -73,6 +84,10 @@ std::vector<int64_t> BlockKeyStarts(const int32_t* seg, int64_t B, int64_t T) {
       for (int64_t i = blk * kQueryBlock; i < std::min(T, (blk + 1) * kQueryBlock); ++i) {
         auto it = first.emplace(s[i], i).first;
         k0 = std::min(k0, it->second);
+        if (const int32_t unit = PrefixUnit(s[i]); unit != 0) {
+          auto p = first.find(-unit);   // a prefix seen later than its suffix is never read
+          if (p != first.end()) k0 = std::min(k0, p->second);
+        }
       }
       starts[b * blocks + blk] = k0;
     }
@@ -89,17 +104,19 @@ void MaskedSoftmax(float* s, int64_t rows, int64_t n, int64_t a, int64_t k0, con
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * n;
     const int64_t i = a + r;
-    const int32_t si = seg[i];
+    const int32_t si = seg[i], unit = PrefixUnit(si);
     const int64_t last = std::min(n, i + 1 - k0);   // keys past the query are masked
     if (lse != nullptr) {
       const float l = lse[r * lse_stride];
-      for (int64_t j = 0; j < last; ++j) row[j] = kseg[j] == si ? std::exp(row[j] - l) : 0.0f;
+      for (int64_t j = 0; j < last; ++j) {
+        row[j] = Sees(si, unit, kseg[j]) ? std::exp(row[j] - l) : 0.0f;
+      }
     } else {
       float mx = row[i - k0];   // the query sees itself (no infinities: built with -ffast-math)
-      for (int64_t j = 0; j < last; ++j) mx = std::max(mx, kseg[j] == si ? row[j] : mx);
+      for (int64_t j = 0; j < last; ++j) mx = std::max(mx, Sees(si, unit, kseg[j]) ? row[j] : mx);
       float sum = 0.0f;
       for (int64_t j = 0; j < last; ++j) {
-        row[j] = kseg[j] == si ? std::exp(row[j] - mx) : 0.0f;
+        row[j] = Sees(si, unit, kseg[j]) ? std::exp(row[j] - mx) : 0.0f;
         sum += row[j];
       }
       const float inv = 1.0f / sum;

@@ -12,7 +12,10 @@ log-probs, ``max_new_tokens: 0`` scoring, min-p and penalties), /health, /health
 /v1/chat/completions (chat template applied, streaming, ``n``, ``stop``, ``max_tokens``,
 ``logprobs``). Invalid requests, and fields this server does not implement, get HTTP 400 naming
 the field: ``{"error": {"message": ...}}`` on the SGLang endpoints, OpenAI's ``{"error":
-{"message", "type", "param", "code"}}`` on /v1.
+{"message", "type", "param", "code"}}`` on /v1. With ``--api-key`` (or ``RAO_JAX_API_KEY``)
+every route but the health checks needs ``Authorization: Bearer <key>`` (401 otherwise); a
+non-loopback ``--host`` needs a key or ``--allow-no-api-key``; /update_weights_from_disk loads
+only under ``--weight-roots`` (403 otherwise).
 
 Who owns what:
 
@@ -24,6 +27,7 @@ Who owns what:
     sglang_routes.py  /generate
     openai_routes.py  /v1/*
     admin_routes.py   health, info (internal_states), weights, flush, abort, pause, continue
+    door.py           the API key (401 but on health checks), the bind check, weight roots
     server.py         Server: the routes as one aiohttp application
     loading.py        pretrained, checkpoint and tiny models; the engine's stop ids
     cli.py            the command line (engine flags generated from EngineConfig); __main__.py

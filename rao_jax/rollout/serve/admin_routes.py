@@ -13,6 +13,7 @@ from aiohttp import web
 
 import rao_jax
 from rao_jax.rollout.base import GenerateRequest, SamplingParams
+from rao_jax.rollout.serve import door
 from rao_jax.rollout.serve.core import ServerCore, sglang_error
 from rao_jax.rollout.serve.schema import (AbortIn, BadRequest, PauseIn, UpdateWeightsFromDiskIn,
                                           UpdateWeightVersionIn)
@@ -94,6 +95,7 @@ class AdminRoutes(ServerCore):
         # Seeded requests reproduce whatever else shares their batch (sampling.gumbel_noise).
         "sampling_seed_honoured": True,
         "context_length": int(self.engine.config.capacity),
+        "weight_roots": list(self.weight_roots.roots),
         "engine_config": dataclasses.asdict(self.engine.config),
         # SGLang: one dict per scheduler (data-parallel rank); this server has one.
         "internal_states": [self.internal_state()]})
@@ -153,7 +155,8 @@ class AdminRoutes(ServerCore):
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
   async def update_weights_from_disk(self, request):
-    """POST /update_weights_from_disk: loads a checkpoint folder with ``loader``."""
+    """POST /update_weights_from_disk: loads a checkpoint folder with ``loader``; a path outside
+    the server's weight roots gets 403 naming them."""
     try:
       body = UpdateWeightsFromDiskIn.from_json(await self._json(request))
     except BadRequest as e:
@@ -161,12 +164,19 @@ class AdminRoutes(ServerCore):
     if self.loader is None:
       return web.json_response({"success": False, "message": "this server cannot load weights",
                                 "num_paused_requests": 0}, status=400)
+    try:
+      # Loaded by its resolved path, the one checked (door.WeightRoots.resolve).
+      path = self.weight_roots.resolve(body.model_path)
+    except door.PathOutsideRoots as e:
+      log.warning("update_weights_from_disk refused: %s", e)
+      return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0,
+                                "weight_roots": list(self.weight_roots.roots)}, status=403)
     version = body.weight_version
     if body.abort_all_requests:
       self.engine.abort_all("aborted by /update_weights_from_disk")
     async with self._update_lock:
       try:
-        model = await asyncio.to_thread(self.loader, body.model_path)
+        model = await asyncio.to_thread(self.loader, path)
         new_version = version if version is not None else self.engine.weight_version
         await self.engine.update_weights(model, str(new_version))
       except Exception as e:  # noqa: BLE001 - reported to the caller, the server goes on

@@ -4,6 +4,7 @@
     python -m rao_jax.rollout.serve --model smollm2-135m --port 30000
     python -m rao_jax.rollout.serve --checkpoint runs/x [--step N]    # a training run's weights
     python -m rao_jax.rollout.serve --tiny --num-slots 4 --chunk-sizes 16,64
+    RAO_JAX_API_KEY=... python -m rao_jax.rollout.serve --host 0.0.0.0 --weight-roots runs
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import typing
 
 from rao_jax.rollout import EngineConfig
+from rao_jax.rollout.serve import door
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,30 @@ def _int_tuple(s: str) -> tuple[int, ...]:
   except ValueError:
     raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers, e.g. 16,64"
                                      ) from None
+
+
+def _folders(s: str) -> tuple[str, ...]:
+  """``"a,b"`` -> ("a", "b"); at least one folder."""
+  out = tuple(x.strip() for x in s.split(",") if x.strip())
+  if not out:
+    raise argparse.ArgumentTypeError(f"{s!r}: give one or more folders, e.g. runs,/data/ckpts")
+  return out
+
+
+def weight_roots(args: argparse.Namespace) -> tuple[str, ...]:
+  """The folders weight loads may read: ``--weight-roots``, else the working directory plus
+  the served run (``--checkpoint``) or model folder (``--model`` DIR, or a file's folder), the
+  places a trainer's exports (``<workdir>/weights``) and reloads of the model live."""
+  if args.weight_roots:
+    return tuple(args.weight_roots)
+  roots = [os.getcwd()]
+  if args.checkpoint:
+    roots.append(args.checkpoint)
+  elif args.model and os.path.isdir(args.model):
+    roots.append(args.model)
+  elif args.model and os.path.isfile(args.model):
+    roots.append(os.path.dirname(os.path.abspath(args.model)))
+  return tuple(roots)
 
 
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
@@ -104,8 +131,23 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--tiny", action="store_true",
                   help="serve a tiny random model of --model's architecture, with its "
                        "tokenizer (tests, smoke runs)")
-  ap.add_argument("--host", default="127.0.0.1")
+  ap.add_argument("--host", default="127.0.0.1",
+                  help="address to bind; one other machines can reach needs --api-key (or "
+                       "--allow-no-api-key)")
   ap.add_argument("--port", type=int, default=30000)
+  ap.add_argument("--api-key", default=None,
+                  help="require 'Authorization: Bearer KEY' on every route but /health and "
+                       "/health_generate (SGLang's flag; 401 otherwise). Default: the "
+                       f"{door.API_KEY_ENV} environment variable, which keeps the key out of "
+                       "process listings")
+  ap.add_argument("--allow-no-api-key", action="store_true",
+                  help="serve a non-loopback --host without a key (anyone reaching the port "
+                       "can generate and load weights)")
+  ap.add_argument("--weight-roots", type=_folders, default=None,
+                  help="comma-separated folders /update_weights_from_disk may load from "
+                       "(symlinks and .. resolved; 403 outside them). Default: the working "
+                       "directory, plus the --checkpoint run or the --model folder (or the "
+                       "folder of a --model file)")
   ap.add_argument("--dtype", default=None, help="activation/param dtype (default per backend)")
   ap.add_argument("--warmup", action="store_true", help="compile every shape before serving")
   ap.add_argument("--weight-version", default="default",
@@ -134,6 +176,17 @@ def build_server(argv=None):
   from rao_jax.rollout.serve.server import Server
   ap = parser()
   args = ap.parse_args(argv)
+  # The key leaves the parsed args here, so nothing that prints or reports them (the server's
+  # /get_server_info, logs) can show it.
+  api_key = args.api_key or os.environ.get(door.API_KEY_ENV) or None
+  del args.api_key
+  refusal = door.check_bind(args.host, api_key, args.allow_no_api_key)
+  if refusal:
+    ap.error(refusal)
+  if not api_key and not door.is_loopback(args.host):
+    log.warning("serving %s without an API key (--allow-no-api-key): anyone who can reach "
+                "port %d can generate and load weights.", args.host, args.port)
+  roots = weight_roots(args)
   preferred = None
   if args.preferred_sampling_params:
     try:
@@ -163,10 +216,11 @@ def build_server(argv=None):
     log.info("warm-up compiled every shape in %.1f s", engine.warmup())
   info = dict(vars(args))
   info["model_type"] = getattr(getattr(model, "cfg", None), "model_type", None)
+  info["api_key_required"] = bool(api_key)
   server = Server(engine, tokenizer, model_path=model_path,
                   loader=loading.weights_loader(args.dtype), server_args=info,
                   served_model_name=args.served_model_name or args.checkpoint or model_name,
-                  preferred_sampling_params=preferred)
+                  preferred_sampling_params=preferred, api_key=api_key, weight_roots=roots)
   return server, args
 
 
@@ -175,6 +229,7 @@ def main(argv=None):
   from aiohttp import web
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
   server, args = build_server(argv)
-  print(f"rao_jax rollout server on http://{args.host}:{args.port}", file=sys.stderr,
-        flush=True)
+  door_note = "API key required" if server.server_args["api_key_required"] else "no API key"
+  print(f"rao_jax rollout server on http://{args.host}:{args.port} ({door_note}; weights load "
+        f"from {', '.join(server.weight_roots.roots)})", file=sys.stderr, flush=True)
   web.run_app(server.app(), host=args.host, port=args.port, print=None)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
 from rao_jax.rollout.base import FinishReason, GenerateRequest, GenerateResult
+from rao_jax.rollout.serve import door
 from rao_jax.rollout.serve.protocol import ServedEngine
 from rao_jax.rollout.serve.schema import BadRequest, Done, Item, finish_reason_json, held_back
 
@@ -34,19 +36,29 @@ class ServerCore:
     server_args: the command line, reported by /get_server_info.
     served_model_name: the model id of /v1/models (default model_path).
     preferred_sampling_params: sampling defaults every request starts from.
+    api_key: when set, every route but the health checks needs ``Authorization: Bearer
+      <api_key>`` (``door.api_key_middleware``).
+    weight_roots: the folders /update_weights_from_disk may read (``door.WeightRoots``);
+      None: the working directory.
   """
 
   def __init__(self, engine: ServedEngine, tokenizer=None, *, model_path: str = "",
                loader: Callable[[str], Any] | None = None, server_args: dict | None = None,
                served_model_name: str | None = None,
-               preferred_sampling_params: dict | None = None):
+               preferred_sampling_params: dict | None = None, api_key: str | None = None,
+               weight_roots: Sequence[str] | None = None):
     self.engine = engine
     self.tokenizer = tokenizer
     self.model_path = model_path
     self.served_model_name = served_model_name or model_path or "rao_jax"
     self.preferred = preferred_sampling_params
     self.loader = loader
-    self.server_args = server_args or {}
+    # The key stays in this private attribute; server_args is reported by /get_server_info,
+    # so a key passed there by mistake is dropped.
+    self._api_key = api_key or None
+    self.server_args = {k: v for k, v in (server_args or {}).items() if k != "api_key"}
+    self.weight_roots = door.WeightRoots(weight_roots if weight_roots is not None
+                                         else [os.getcwd()])
     self.ready = True
     self.created = int(time.time())
     self.unpaused = asyncio.Event()

@@ -3,11 +3,13 @@
     sglang_routes.py   /generate
     openai_routes.py   /v1/models, /v1/completions, /v1/chat/completions
     admin_routes.py    health, info, weights, flush, abort, pause, continue
+    door.py            the API key every route but the health checks asks for (when set)
 """
 from __future__ import annotations
 
 from aiohttp import web
 
+from rao_jax.rollout.serve import door
 from rao_jax.rollout.serve.admin_routes import AdminRoutes
 from rao_jax.rollout.serve.openai_routes import OpenAIRoutes
 from rao_jax.rollout.serve.sglang_routes import SGLangRoutes
@@ -18,11 +20,16 @@ class Server(SGLangRoutes, OpenAIRoutes, AdminRoutes):
   arguments and ``protocol.ServedEngine`` for what the engine must provide)."""
 
   def app(self) -> web.Application:
-    """The aiohttp application with every route."""
-    app = web.Application(client_max_size=256 * 1024 ** 2)
+    """The aiohttp application with every route (behind the API key when one is set)."""
+    # The health checks answer without a key (as SGLang's do): load balancers and the
+    # clients' restart detection poll them without credentials.
+    health = {"/health": self.health, "/health_generate": self.health_generate}
+    middlewares = ([door.api_key_middleware(self._api_key, open_paths=health)]
+                   if self._api_key else [])
+    app = web.Application(client_max_size=256 * 1024 ** 2, middlewares=middlewares)
     r = app.router
     r.add_post("/generate", self.generate)
-    for path, fn in (("/health", self.health), ("/health_generate", self.health_generate),
+    for path, fn in (*health.items(),
                      ("/get_model_info", self.model_info), ("/get_server_info", self.server_info),
                      ("/get_weight_version", self.weight_version),
                      ("/flush_cache", self.flush_cache), ("/v1/models", self.models)):
