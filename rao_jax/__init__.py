@@ -7,6 +7,8 @@ One policy, instantiated at every node of an execution tree that it grows itself
 Package map (dependencies point downwards only):
 
     trainer          the RL loop: tasks -> trees -> rewards -> learner step -> sync -> eval -> ckpt
+    collection       a step's rollouts: K trees per task under the fault rules, progress, the
+                     exchange of trees between processes
     agent/           tree runner, node loop, prompts, code extraction, tree records, HTML view
     envs/            TextCraft, TextCraft-Synth, long-context aggregation, multi-hop search, judge
     learner/         rewards + LOO + depth weights, packing, losses, jitted sharded step, checkpoints

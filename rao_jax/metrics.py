@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
+import uuid
 from typing import Mapping
 
 from rao_jax.agent import view
@@ -55,7 +57,10 @@ def compile_clock() -> CompileClock:
 class MetricsWriter:
   """Appends metrics to `workdir/metrics.jsonl` and, optionally, TensorBoard event files."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True, filename: str = "metrics.jsonl"):
+  def __init__(self, workdir: str, tensorboard: bool = True, filename: str = "metrics.jsonl",
+               purge_step: int | None = None):
+    """`purge_step`: a resumed run's first step; TensorBoard hides the events an earlier attempt
+    logged from that step on (the JSONL file is rewound by `set_aside_superseded`)."""
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, filename)
     # Line-buffered append: a crash loses at most the line being written.
@@ -63,7 +68,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
 
   def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
     clean = {}
@@ -83,6 +88,107 @@ class MetricsWriter:
     self._f.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def _fsync_dir(path: str) -> None:
+  """Makes a rename in directory `path` durable (the entry, not only the file, on disk)."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_atomically(path: str, data: bytes) -> None:
+  """Replaces `path` by `data` so that a crash leaves either the old file or the new one: a
+  temporary file beside it, fsynced, renamed over it, and the directory fsynced."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _dedupe_key(row: dict) -> str:
+  return json.dumps({k: v for k, v in row.items() if k != "superseded"}, sort_keys=True)
+
+
+def set_aside_superseded(workdir: str, step: int, step_entries: Mapping[str, int] = (),
+                         metrics_file: str = "metrics.jsonl") -> dict[str, int]:
+  """Moves what an abandoned attempt wrote after `step` out of a run's records, keeping it aside.
+
+  A run that resumes from its checkpoint of `step` redoes the steps after it; the rows and files
+  the killed attempt wrote for them would otherwise sit beside the new attempt's (a step twice
+  in metrics.jsonl). Rows of `metrics_file` with a step > `step` (and a torn last line) move to
+  `<name>.superseded.jsonl`, each marked with ``"superseded": {"at", "resumed_from_step"}``;
+  entries named ``step_NNNNNN`` (files or folders) of each directory in `step_entries` numbered
+  at or after its given first number move to ``superseded/<time>-step<step>/<directory>/``.
+
+  Crash-safe: the aside file is rewritten first (a temporary file, fsync, rename), then the
+  metrics file the same way, and each entry moves by one rename; a crash between two of these
+  leaves every row at least once, and the next resume finishes the job without writing a row
+  aside twice.
+
+  Args:
+    workdir: the run's directory.
+    step: the step the run resumes from (rows up to it stay).
+    step_entries: {directory relative to `workdir`: its first superseded number}.
+    metrics_file: the metrics file's name in `workdir`.
+
+  Returns:
+    {"metrics": rows moved, <directory>: entries moved, ...}.
+  """
+  moved = {"metrics": 0}
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  marker = {"at": stamp, "resumed_from_step": int(step)}
+  path = os.path.join(workdir, metrics_file)
+  if os.path.exists(path):
+    with open(path, "rb") as f:
+      data = f.read()
+    keep, aside = [], []
+    for raw in data.splitlines(keepends=True):
+      if not raw.strip():
+        continue
+      try:
+        row = json.loads(raw)
+        past = int(row["step"]) > step
+      except (ValueError, KeyError, TypeError):   # a line torn by the crash: kept aside too
+        row, past = {"unreadable_line": raw.decode("utf-8", "replace").rstrip("\n")}, True
+      if past:
+        aside.append(dict(row, superseded=marker))
+      else:   # the last line may lack its newline; the next row would be glued to it
+        keep.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    if aside or b"".join(keep) != data:
+      aside_path = os.path.join(workdir, metrics_file.rsplit(".jsonl", 1)[0] + ".superseded.jsonl")
+      old = open(aside_path, "rb").read() if os.path.exists(aside_path) else b""
+      if old and not old.endswith(b"\n"):
+        old += b"\n"
+      seen = {_dedupe_key(r) for r in read_metrics(aside_path)} if old else set()
+      new = [r for r in aside if _dedupe_key(r) not in seen]
+      if new:
+        write_atomically(aside_path, old + b"".join(json.dumps(r).encode() + b"\n" for r in new))
+      write_atomically(path, b"".join(keep))
+      moved["metrics"] = len(aside)
+  attempt = None
+  for sub, first in dict(step_entries).items():
+    d = os.path.join(workdir, sub)
+    names = sorted(n for n in (os.listdir(d) if os.path.isdir(d) else [])
+                   if (m := re.fullmatch(r"step_(\d+)(\.jsonl)?", n)) and int(m[1]) >= first)
+    if names:
+      if attempt is None:   # one new folder per resume: nothing there is ever overwritten
+        base = attempt = os.path.join(workdir, "superseded", f"{stamp}-step{int(step):06d}")
+        while os.path.exists(attempt):
+          attempt = f"{base}-{uuid.uuid4().hex[:6]}"
+      dest = os.path.join(attempt, sub)
+      os.makedirs(dest, exist_ok=True)
+      for n in names:
+        os.rename(os.path.join(d, n), os.path.join(dest, n))
+      _fsync_dir(d)
+      _fsync_dir(dest)
+    moved[sub] = len(names)
+  return moved
 
 
 def read_metrics(path: str) -> list[dict]:

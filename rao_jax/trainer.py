@@ -13,7 +13,10 @@
 Resume order: the newest complete checkpoint in `workdir/checkpoints` (params, optimizer,
 step, RNG, data position) wins; else `config.ckpt.init_from` (parameters only, e.g. an SFT
 warm start); else the pretrained model. Ctrl-C / SIGTERM stop after the current stage, save a
-checkpoint and return; running the same command again resumes.
+checkpoint and return; running the same command again resumes. A resumed run records each step
+once: what a killed attempt wrote after the restored step moves aside (metrics.superseded.jsonl,
+superseded/). A checkpoint save the filesystem refuses is logged and counted (`ckpt/` rows) and
+training goes on; the next save tries again.
 
 With `config.rl.overlap`, the rollouts of step s+1 run (on the engine's weights of step s)
 while the learner updates step s: samples are one version stale, which the clipped-ratio
@@ -54,12 +57,10 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
 import time
-import uuid
 from typing import Any
 
 import jax
@@ -68,10 +69,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from rao_jax import experiment as X
+from rao_jax.collection import (RolloutProgress, collect_group, exchange,  # noqa: F401
+                                infra_error, process_share)
 from rao_jax import hooks as hooks_lib
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
-from rao_jax.experiment import DEADLINE_RULES, RLConfig
+from rao_jax.experiment import RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
 from rao_jax.rollout import base as rollout_base
 
@@ -95,108 +98,6 @@ class RolloutUnavailableError(RuntimeError):
 # Errors whose message says what happened and what to do: the command line prints them
 # without a traceback (rao_jax/cli/train.py).
 FATAL_ERRORS = (TrainingDivergedError, RolloutUnavailableError)
-
-
-def infra_error(tree: R.TreeRecord) -> str | None:
-  """The first infrastructure failure of `tree` (engine, sandbox), or None."""
-  for n in tree.nodes:
-    if n.extras.get("infra_error"):
-      return str(n.extras["infra_error"])
-  return None
-
-
-def deadline_cut(tree: R.TreeRecord) -> bool:
-  return bool(tree.meta.get("deadline_cut")) or any("deadline" in n.extras for n in tree.nodes)
-
-
-class RolloutProgress:
-  """A step's rollouts as they finish: wraps the runner (`run_tree`), counts finished trees,
-  their agents and generated tokens, and logs a line every `every_s` seconds while they run
-  (a step of SmolLM2 on two CPU cores is ~10 minutes of rollouts; the bar ticks once a step).
-  """
-
-  def __init__(self, runner, step: int, total_trees: int, every_s: float = 60.0):
-    self.runner, self.step, self.total, self.every_s = runner, step, total_trees, every_s
-    self.trees = self.agents = self.tokens = self.succeeded = 0
-    self.t0 = time.perf_counter()
-
-  async def run_tree(self, *args, **kwargs) -> R.TreeRecord:
-    tree = await self.runner.run_tree(*args, **kwargs)
-    self.trees += 1
-    self.agents += len(tree.nodes)
-    self.tokens += sum(n.num_generated_tokens for n in tree.nodes)
-    self.succeeded += int(bool(tree.nodes) and tree.nodes[0].success == 1.0)
-    return tree
-
-  def line(self) -> str:
-    return (f"step {self.step} rollouts: {self.trees}/{self.total} trees done "
-            f"({self.succeeded} solved), {self.agents} agents, {self.tokens} generated tokens, "
-            f"{(time.perf_counter() - self.t0) / 60:.1f} min")
-
-  async def report(self) -> None:
-    """Logs `line()` every `every_s` seconds until cancelled."""
-    while True:
-      await asyncio.sleep(self.every_s)
-      log.info("%s", self.line())
-
-
-async def collect_group(runner, task, group_size: int, *, deadline: float | None = None,
-                        infra_retries: int = 1, deadline_rule: str = "unfinished"
-                        ) -> tuple[list[R.TreeRecord], list[R.TreeRecord], dict[str, float]]:
-  """The K trees of one task with the trainer's fault rules.
-
-  Trees whose infrastructure failed are re-run (same group, a new tree id) up to
-  `infra_retries` times; still failing, they are excluded. Trees cut by `deadline` are kept
-  (rule "unfinished") or take their whole group out (rule "drop_group"). A group left with
-  fewer than 2 trees has no leave-one-out baseline and is dropped.
-
-  Returns:
-    (kept trees, every tree run including the excluded ones (their `meta["excluded"]` says
-    why), counters: infra_failed_trees, infra_retries, infra_excluded_trees,
-    deadline_cut_trees, groups_dropped).
-  """
-  if deadline_rule not in DEADLINE_RULES:
-    raise ValueError(f"deadline_rule={deadline_rule!r}: use one of {DEADLINE_RULES}.")
-  gid = f"{task.task_id}/{uuid.uuid4().hex[:8]}"
-  trees = list(await asyncio.gather(*(
-      runner.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
-      for k in range(group_size))))
-  stats = {"infra_failed_trees": 0.0, "infra_retries": 0.0, "infra_excluded_trees": 0.0,
-           "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
-  every = list(trees)
-  stats["infra_failed_trees"] = float(sum(infra_error(t) is not None for t in trees))
-  for attempt in range(1, infra_retries + 1):
-    bad = [k for k, t in enumerate(trees) if infra_error(t) is not None]
-    if not bad:
-      break
-    stats["infra_retries"] += len(bad)
-    for k in bad:
-      trees[k].meta["excluded"] = f"infrastructure failure, retried: {infra_error(trees[k])}"
-    redo = await asyncio.gather(*(
-        runner.run_tree(task, tree_id=f"{gid}/{k}.retry{attempt}", group_id=gid,
-                        deadline=deadline) for k in bad))
-    for k, t in zip(bad, redo):
-      trees[k] = t
-      every.append(t)
-  kept = []
-  for t in trees:
-    err = infra_error(t)
-    if err is not None:
-      t.meta["excluded"] = f"infrastructure failure: {err}"
-      stats["infra_excluded_trees"] += 1
-    else:
-      kept.append(t)
-  cut = [t for t in kept if deadline_cut(t)]
-  stats["deadline_cut_trees"] = float(len(cut))
-  if (cut and deadline_rule == "drop_group") or len(kept) < 2:
-    why = ("a tree passed the rollout deadline (deadline_rule='drop_group')" if
-           cut and deadline_rule == "drop_group" else
-           f"{len(kept)} usable tree(s) left: the leave-one-out baseline needs 2")
-    for t in kept:
-      t.meta["excluded"] = f"group dropped: {why}"
-    stats["groups_dropped"] = 1.0
-    kept = []
-  return kept, every, stats
 
 
 class _Stopper:
@@ -280,10 +181,36 @@ class Trainer:
       self._init_params_from(config.ckpt.init_from)
     self.engine = X.make_engine(config, self._local_model(), self.tokenizer,
                                 export_dir=os.path.join(self.workdir, "weights"))
-    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard)
-                    if self.main else _NoMetrics())
     self.trees_dir = os.path.join(self.workdir, "trees")
+    if self.main:
+      self._set_aside_superseded()
+    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard,
+                                              purge_step=self.start_step + 1)
+                    if self.main else _NoMetrics())
     os.makedirs(self.trees_dir, exist_ok=True)
+    self._failures_reported = 0   # checkpoint save failures written to the metrics
+
+  def _set_aside_superseded(self) -> None:
+    """Each step is recorded once: what an attempt killed before its next checkpoint wrote for
+    the steps this run redoes moves to metrics.superseded.jsonl and superseded/ (kept, never
+    dropped). Tree files are numbered by step index (file i is written by step i + 1), metrics
+    rows and evaluation folders by steps done."""
+    moved = metrics_lib.set_aside_superseded(
+        self.workdir, self.start_step, {"trees": self.start_step, "eval": self.start_step + 1})
+    if any(moved.values()):
+      log.warning("Resuming at step %d: records an earlier attempt wrote after it were moved "
+                  "aside (%s), as this run does those steps again.", self.start_step,
+                  ", ".join(f"{k}: {v}" for k, v in moved.items() if v))
+
+  def report_save_failures(self, step: int) -> None:
+    """A `ckpt/` metrics row for each checkpoint save the filesystem refused since the last
+    report (the learner logged it with the directory and the cause)."""
+    self.learner.poll_checkpoints()
+    failures = self.learner.checkpoint_failures
+    for i, f in enumerate(failures[self._failures_reported:], self._failures_reported + 1):
+      self.metrics.write(step, {"save_failed": 1.0, "failed_step": f.step,
+                                "errno": f.errno or 0, "save_failures": i}, prefix="ckpt/")
+    self._failures_reported = len(failures)
 
   def _init_params_from(self, path: str) -> None:
     """Starts from another run's newest parameters (optimizer and step start fresh)."""
@@ -415,10 +342,13 @@ class Trainer:
         with contextlib.suppress(BaseException):
           await state.next_batch
       stopper.uninstall(loop)
-      # Nothing the user had is lost: the newest state is saved whatever ended the loop.
+      # Nothing the user had is lost: the newest state is saved whatever ended the loop (waited
+      # for first: a save of this step that failed in the background is tried once more).
+      self.learner.wait_for_checkpoints()
       if state.step > self.start_step and self.learner.latest_checkpoint_step() != state.step:
         self.learner.save(state.step, extra={"data_position": state.step})
-      self.learner.wait_for_checkpoints()
+        self.learner.wait_for_checkpoints()
+      self.report_save_failures(state.step)
       await repls.close()
       await self.engine.close()
       self.metrics.close()
@@ -434,7 +364,8 @@ class Trainer:
     plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
             if self.main else None)
     return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
-            "workdir": self.workdir}
+            "workdir": self.workdir, "checkpoint": self.learner.latest_checkpoint_step(),
+            "checkpoint_failures": len(self.learner.checkpoint_failures)}
 
   def warmup(self) -> float:
     """Compiles every shape of the rollout engine and of the learner's step (row buckets)
@@ -561,7 +492,10 @@ class Trainer:
 
     def checkpoint(step, m):
       del m
+      # A save waits for the previous one: an asynchronous save's failure is reported here, at
+      # the next save, which tries again (a failure never stops the run).
       self.learner.save(step, extra={"data_position": step})
+      self.report_save_failures(step)
 
     def postfix(m):
       return {"reward": f"{m['reward']:.3f}", "success": f"{m['success']:.2f}",
@@ -605,38 +539,6 @@ class _NoMetrics:
 
   def close(self) -> None:
     pass
-
-
-def process_share(tasks, process: int, num_processes: int):
-  """Process `process`'s disjoint share of a step's tasks: whole groups, round robin."""
-  return list(tasks)[process::num_processes]
-
-
-def _allgather_bytes(data: bytes) -> list[bytes]:
-  """Every process's `data`, in process order (a host all-gather over jax.distributed)."""
-  lens = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32)))
-  buf = np.zeros(max(int(lens.max()), 1), np.uint8)
-  buf[:len(data)] = np.frombuffer(data, np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(buf))
-  return [every[i, :int(n)].tobytes() for i, n in enumerate(lens.reshape(-1))]
-
-
-def exchange(trees, every, faults, tokens, wall):
-  """The union of all processes' trees (process order), summed fault counters and tokens, the
-  slowest process's rollout wall time."""
-  mine = json.dumps({"every": [t.to_dict() for t in every], "kept": [t.tree_id for t in trees],
-                     "faults": faults, "tokens": tokens, "wall": wall}).encode()
-  all_trees, all_every, all_faults, all_tokens, all_wall = [], [], collections.Counter(), 0, 0.0
-  for part in _allgather_bytes(mine):
-    d = json.loads(part.decode())
-    run = [R.TreeRecord.from_json(t) for t in d["every"]]
-    by_id = {t.tree_id: t for t in run}
-    all_every += run
-    all_trees += [by_id[i] for i in d["kept"]]   # the order the process trained them in
-    all_faults.update(d["faults"])
-    all_tokens += int(d["tokens"])
-    all_wall = max(all_wall, float(d["wall"]))
-  return all_trees, all_every, dict(all_faults), all_tokens, all_wall
 
 
 class NonFiniteGuard:

@@ -369,6 +369,7 @@ class Learner:
           donate_argnums=(0,))
     self._step_fn = _JITTED_STEPS[key]
     self._ckpt = None
+    self._old_ckpt_failures = []
 
   # ---- data -----------------------------------------------------------------------------------
   @staticmethod
@@ -498,15 +499,28 @@ class Learner:
     if self._ckpt is None or self._ckpt.directory != directory:
       if self._ckpt is not None:
         self._ckpt.close()
+        self._old_ckpt_failures += self._ckpt.failures
       self._ckpt = Checkpointer(directory, keep=self.cfg.ckpt_keep, use_async=self.cfg.ckpt_async)
     return self._ckpt
+
+  @property
+  def checkpoint_failures(self) -> list:
+    """Every save the filesystem refused in this process (`checkpoint.SaveFailure`s), oldest
+    first. A failed save does not raise: training goes on and the next save tries again."""
+    return self._old_ckpt_failures + (self._ckpt.failures if self._ckpt is not None else [])
+
+  def poll_checkpoints(self) -> None:
+    """Notes the failure of a background save that has ended (never waits)."""
+    if self._ckpt is not None:
+      self._ckpt.poll()
 
   def save(self, step: int | None = None, extra: Mapping[str, Any] | None = None,
            force: bool = True) -> bool:
     """Saves params, optimizer state, step, RNG, `extra` (e.g. the data position) and configs.
 
     Asynchronous when cfg.ckpt_async: returns once the arrays are copied off the devices.
-    With force=False only every cfg.ckpt_every steps. Returns whether a save started.
+    With force=False only every cfg.ckpt_every steps. Returns whether a save started (False
+    too when the filesystem refused it: see `checkpoint_failures`).
     """
     step = self.step_count if step is None else int(step)
     if not force and step % self.cfg.ckpt_every:
@@ -538,4 +552,5 @@ class Learner:
     """Waits for pending saves and releases the checkpoint manager."""
     if self._ckpt is not None:
       self._ckpt.close()
+      self._old_ckpt_failures += self._ckpt.failures
       self._ckpt = None
