@@ -22,10 +22,12 @@ import time
 from typing import Any, Sequence
 
 from rao_jax import experiment as X
+from rao_jax.collection import RolloutProgress
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 
 log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 60.0   # seconds between two progress lines of one evaluation (minutes long)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -180,7 +182,13 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
       for diff in diffs:
         tasks = X.eval_tasks(env, diff, n)
         t0 = time.perf_counter()
-        trees = await runner.run_tasks(tasks, group_size=1)
+        progress = RolloutProgress(runner, 0, len(tasks), PROGRESS_EVERY_S,
+                                   label=f"eval {title} {mode} {diff}")
+        reporter = asyncio.ensure_future(progress.report())
+        try:
+          trees = await runner.run_tasks(tasks, group_size=1, on_tree=progress.count)
+        finally:
+          reporter.cancel()
         wall = time.perf_counter() - t0
         succ = [t.root.success or 0.0 for t in trees]
         lo, hi = X.binomial_ci95(succ)

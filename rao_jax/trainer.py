@@ -69,8 +69,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from rao_jax import experiment as X
-from rao_jax.collection import (RolloutProgress, collect_group, exchange,  # noqa: F401
-                                infra_error, process_share)
+from rao_jax.collection import RolloutProgress, collect_group, exchange, process_share
 from rao_jax import hooks as hooks_lib
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R

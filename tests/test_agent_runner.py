@@ -286,3 +286,26 @@ def test_runner_config_validation():
               dict(temperature=-1.0), dict(max_steps_per_agent=0)]:
     with pytest.raises(ValueError, match=re.escape(next(iter(bad)))):
       rn.RunnerConfig(**bad)
+
+
+def test_run_tasks_reports_each_tree_as_it_finishes(caplog):
+  """What an evaluation's progress lines count: every finished tree, once, with its agents."""
+  from rao_jax.collection import RolloutProgress
+  env = synth_env()
+  tasks = env.tasks("test/medium")
+  eng = policies.ScriptedTextCraftEngine(TOK)
+  r = rn.TreeRunner(env, eng, TOK, local_exec.LocalReplPool(),
+                    rn.RunnerConfig(recursive=True, max_depth=6, context_window=32768,
+                                    max_new_tokens=8192, observation_max_chars=32768))
+  progress = RolloutProgress(r, 0, len(tasks), every_s=60.0, label="eval held-out medium")
+  seen = []
+
+  def on_tree(tree):
+    seen.append(tree.tree_id)
+    progress.count(tree)
+
+  trees = asyncio.run(r.run_tasks(tasks, on_tree=on_tree))
+  assert sorted(seen) == sorted(t.tree_id for t in trees) and len(seen) == len(tasks)
+  assert progress.agents == sum(len(t.nodes) for t in trees) > len(tasks)
+  assert progress.line().startswith(
+      f"eval held-out medium: {len(tasks)}/{len(tasks)} trees done ({len(tasks)} solved)")

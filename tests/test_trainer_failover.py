@@ -17,6 +17,7 @@ import pytest
 
 from experiments.configs import textcraft_synth
 from rao_jax import hooks as hooks_lib
+from rao_jax import collection
 from rao_jax import trainer as tr
 
 pytestmark = pytest.mark.slow
@@ -136,7 +137,7 @@ def test_trees_no_server_could_run_are_infrastructure_failures_not_scored(server
     engine = X.make_engine(c, None, tok)
     runner = X.make_runner(c, env, engine, tok, local_exec.LocalReplPool())
     try:
-      return await tr.collect_group(runner, task, 2, infra_retries=1), engine
+      return await collection.collect_group(runner, task, 2, infra_retries=1), engine
     finally:
       await engine.close()
 
@@ -150,7 +151,7 @@ def test_trees_no_server_could_run_are_infrastructure_failures_not_scored(server
   assert stats["infra_failed_trees"] == 2 and stats["infra_retries"] == 2
   assert stats["infra_excluded_trees"] == 2 and stats["groups_dropped"] == 1
   for t in every:
-    err = tr.infra_error(t)
+    err = collection.infra_error(t)
     assert err is not None and "EngineUnavailableError" in err and dead in err, err
     assert t.root.end_reason == "error" and t.meta["excluded"].startswith(
         "infrastructure failure")

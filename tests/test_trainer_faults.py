@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import base as base_cfg
+from rao_jax import collection
 from rao_jax import experiment as X
 from rao_jax import trainer as tr
 from rao_jax.agent import chat, local_exec, runner as rn
@@ -71,7 +72,7 @@ def test_infra_failure_is_retried_once_then_left_out_of_the_group():
       return None
     return code("finish('done')")
 
-  trees, every, stats = asyncio.run(tr.collect_group(runner(Scripted(fn)), task(), 3))
+  trees, every, stats = asyncio.run(collection.collect_group(runner(Scripted(fn)), task(), 3))
   # 1 and 2 failed, were retried ("1.retry1" succeeds, "2.retry1" fails): 0 and 1.retry1 kept.
   assert stats["infra_failed_trees"] == 2 and stats["infra_retries"] == 2
   assert stats["infra_excluded_trees"] == 1 and stats["groups_dropped"] == 0
@@ -81,7 +82,7 @@ def test_infra_failure_is_retried_once_then_left_out_of_the_group():
   assert len(every) == 5
   excluded = [t for t in every if "excluded" in t.meta]
   assert len(excluded) == 3 and all("infrastructure" in t.meta["excluded"] for t in excluded)
-  assert all(tr.infra_error(t) for t in excluded)
+  assert all(collection.infra_error(t) for t in excluded)
   # The learner never sees an infra-failed tree: advantages come from the kept ones only.
   from rao_jax.learner.rewards import compute_rewards_and_advantages
   adv = compute_rewards_and_advantages(trees)
@@ -89,7 +90,7 @@ def test_infra_failure_is_retried_once_then_left_out_of_the_group():
 
   # With retries off and only one usable tree, the group has no baseline and is dropped.
   trees, every, stats = asyncio.run(
-      tr.collect_group(runner(Scripted(fn)), task(), 3, infra_retries=0))
+      collection.collect_group(runner(Scripted(fn)), task(), 3, infra_retries=0))
   assert trees == [] and stats["groups_dropped"] == 1 and stats["infra_retries"] == 0
   assert all("excluded" in t.meta for t in every)
 
@@ -106,14 +107,14 @@ def test_a_long_rollout_reports_its_finished_trees_while_it_runs(caplog):
       return await super().generate(request)
 
   async def main():
-    progress = tr.RolloutProgress(runner(Slow(fn), max_steps_per_agent=1), 7, 3, every_s=0.2)
+    progress = collection.RolloutProgress(runner(Slow(fn), max_steps_per_agent=1), 7, 3, every_s=0.2)
     reporter = asyncio.ensure_future(progress.report())
     try:
-      return await tr.collect_group(progress, task(), 3), progress
+      return await collection.collect_group(progress, task(), 3), progress
     finally:
       reporter.cancel()
 
-  with caplog.at_level("INFO", logger="rao_jax.trainer"):
+  with caplog.at_level("INFO", logger="rao_jax.collection"):
     (trees, _, _), progress = asyncio.run(main())
   lines = [r.getMessage() for r in caplog.records if "rollouts:" in r.getMessage()]
   assert lines and lines[0].startswith("step 7 rollouts: 2/3 trees done (0 solved), 2 agents,")
@@ -128,7 +129,7 @@ def test_a_crashed_sandbox_and_an_aborted_generation_are_infra_failures():
       return rollout.GenerateResult([], [], rollout.FinishReason.ABORT, 3, message="engine closed")
 
   (tree,) = asyncio.run(runner(Abort(None)).run_tasks([task()]))
-  assert tree.root.end_reason == "error" and "aborted" in tr.infra_error(tree)
+  assert tree.root.end_reason == "error" and "aborted" in collection.infra_error(tree)
   # A sandbox that cannot be acquired (the pool failed to start one) is one too.
   class BrokenPool(local_exec.LocalReplPool):
     async def acquire(self):
@@ -137,11 +138,11 @@ def test_a_crashed_sandbox_and_an_aborted_generation_are_infra_failures():
   r = rn.TreeRunner(env(), Scripted(lambda s, t: code("finish('x')")), TOK, BrokenPool(),
                     rn.RunnerConfig(recursive=False))
   (tree,) = asyncio.run(r.run_tasks([task()]))
-  assert "sandbox did not start" in tr.infra_error(tree)
+  assert "sandbox did not start" in collection.infra_error(tree)
   # An agent's own error (bad code, a raising tool) is not an infrastructure failure.
   bodies = ["no code", code("1 / 0"), code("finish('x')")]
   (tree,) = asyncio.run(runner(Scripted(lambda s, t: bodies[min(t, 2)])).run_tasks([task()]))
-  assert tr.infra_error(tree) is None and tree.root.end_reason == "finish"
+  assert collection.infra_error(tree) is None and tree.root.end_reason == "finish"
 
 
 @pytest.mark.parametrize("rule", ["unfinished", "drop_group"])
@@ -153,12 +154,12 @@ def test_rollout_deadline_cuts_stragglers(rule):
     return code("import asyncio\nawait asyncio.sleep(0.05)")
 
   t0 = time.perf_counter()
-  trees, every, stats = asyncio.run(tr.collect_group(
+  trees, every, stats = asyncio.run(collection.collect_group(
       runner(Scripted(fn)), task(), 2, deadline=time.perf_counter() + 0.6, deadline_rule=rule))
   assert time.perf_counter() - t0 < 5.0
   assert stats["deadline_cut_trees"] == 1
   slow = [t for t in every if t.tree_id.endswith("/1")][0]
-  assert tr.deadline_cut(slow) and slow.meta["deadline_cut"]
+  assert collection.deadline_cut(slow) and slow.meta["deadline_cut"]
   assert slow.root.end_reason == "timeout"
   assert slow.root.extras["deadline"] == "cut at a turn boundary"
   if rule == "unfinished":
@@ -179,7 +180,7 @@ def test_deadline_cuts_a_generation_in_flight():
   assert time.perf_counter() - t0 < 5.0
   assert tree.root.end_reason == "timeout"
   assert tree.root.extras["deadline"] == "cut during a generation"
-  assert tr.infra_error(tree) is None
+  assert collection.infra_error(tree) is None
 
 
 def test_tree_step_budget_caps_the_task_budget():

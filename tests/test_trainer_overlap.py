@@ -114,7 +114,7 @@ def _rows(workdir):
 @pytest.mark.slow
 @pytest.mark.long   # a full multi-step Trainer run: 77-121 s on an idle 2-core machine
 def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path):
-  from rao_jax import trainer
+  from rao_jax import collection, trainer
   from rao_jax.agent import records as R
   wd = str(tmp_path / "run")
   res = trainer.train(_config(tiny_hf_dir, 3), wd)
@@ -123,7 +123,7 @@ def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_
   for step in range(3):
     trees = R.load_trees_jsonl(os.path.join(wd, "trees", f"step_{step:06d}.jsonl"))
     for t in trees:
-      assert trainer.infra_error(t) is None, trainer.infra_error(t)
+      assert collection.infra_error(t) is None, collection.infra_error(t)
       for n in t.nodes:
         assert "Array has been deleted" not in n.extras.get("error", "")
         assert n.end_reason != "error", n.extras

@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rao_jax.agent import chat as chat_lib
 from rao_jax.agent import code as code_lib
@@ -166,18 +166,27 @@ class TreeRunner:
   # -- public ------------------------------------------------------------------------------
 
   async def run_tasks(self, tasks: Sequence[base.Task], group_size: int = 1,
-                      deadline: float | None = None) -> list[R.TreeRecord]:
+                      deadline: float | None = None,
+                      on_tree: Callable[[R.TreeRecord], None] | None = None
+                      ) -> list[R.TreeRecord]:
     """`group_size` trees of every task, all concurrently; results grouped by task in order.
 
     deadline: a `time.perf_counter()` time past which trees are cut (see `run_tree`).
+    on_tree: called with each tree as it finishes (progress reports).
     """
     if group_size < 1:
       raise ValueError(f"group_size={group_size}: must be >= 1.")
+
+    async def one(task, tree_id, group_id):
+      tree = await self.run_tree(task, tree_id=tree_id, group_id=group_id, deadline=deadline)
+      if on_tree is not None:
+        on_tree(tree)
+      return tree
+
     coros = []
     for task in tasks:
       gid = f"{task.task_id}/{uuid.uuid4().hex[:8]}"
-      coros += [self.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
-                for k in range(group_size)]
+      coros += [one(task, f"{gid}/{k}", gid) for k in range(group_size)]
     return list(await asyncio.gather(*coros))
 
   async def run_group(self, task: base.Task, group_size: int) -> list[R.TreeRecord]:
