@@ -1,6 +1,7 @@
 """Rollout engines: the only thing the agent runtime knows about generation.
 
     Engine / GenerateRequest / GenerateResult / SamplingParams / FinishReason   (base.py)
+    EngineFailedError   an engine that stopped serving (repeated device failures)  (base.py)
     EmbeddedEngine   continuous-batching JAX engine in this process              (engine/)
     SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve        (sglang_client.py)
     python -m rao_jax.rollout.serve   the embedded engine behind SGLang's HTTP API (serve/)
@@ -11,7 +12,7 @@ plain-Python slot table) does not load JAX, Flax or aiohttp.
 import importlib
 
 from rao_jax.rollout.base import (  # noqa: F401
-    Engine, FinishReason, GenerateRequest, GenerateResult, SamplingParams)
+    Engine, EngineFailedError, FinishReason, GenerateRequest, GenerateResult, SamplingParams)
 
 _LAZY = {"EmbeddedEngine": "rao_jax.rollout.engine", "EngineConfig": "rao_jax.rollout.engine",
          "ClientConfig": "rao_jax.rollout.sglang_client",
@@ -24,5 +25,5 @@ def __getattr__(name):
   raise AttributeError(f"module 'rao_jax.rollout' has no attribute {name!r}")
 
 
-__all__ = ["ClientConfig", "EmbeddedEngine", "Engine", "EngineConfig", "FinishReason",
-           "GenerateRequest", "GenerateResult", "SGLangEngine", "SamplingParams"]
+__all__ = ["ClientConfig", "EmbeddedEngine", "Engine", "EngineConfig", "EngineFailedError",
+           "FinishReason", "GenerateRequest", "GenerateResult", "SGLangEngine", "SamplingParams"]
