@@ -39,6 +39,12 @@ Faults the loop survives (each counted in the `train/faults/*` metrics):
     the runner's `extras["infra_error"]`) is re-run `config.rl.infra_retries` times, then left
     out of its group's baseline and of the loss (never scored as the agent's failure); a group
     left with fewer than 2 trees is dropped;
+  * the embedded engine's device step failing (a device error, out of memory) ends the requests
+    it held with `FinishReason.ERROR`; the engine rebuilds its KV cache and serves on, and the
+    affected trees are infrastructure failures like those above (re-run; counted in
+    `faults/engine_error_trees` and `faults/infra_retries`). An engine that fails
+    `config.rollout.embedded.max_consecutive_faults` steps in a row stops serving: the run
+    stops with `RolloutEngineFailedError` after a checkpoint of its newest state;
   * with `config.rl.rollout_deadline_s` > 0, trees still running that long after the step's
     rollouts began are cut (their nodes end with "timeout"); `config.rl.deadline_rule` then
     either scores them as they stand ("unfinished") or drops their groups ("drop_group").
@@ -77,15 +83,33 @@ class _StopRequested(Exception):
   pass
 
 
-class TrainingDivergedError(RuntimeError):
+class FatalRunError(RuntimeError):
+  """A fault the run cannot survive; its newest state was checkpointed before it propagated,
+  and its message names the cause and the fix (the CLI prints it without a traceback)."""
+
+
+class TrainingDivergedError(FatalRunError):
   """Too many non-finite updates in a row; the last finite state was checkpointed."""
+
+
+class RolloutEngineFailedError(FatalRunError):
+  """The rollout engine stopped serving (repeated device failures); the run stops."""
 
 
 def infra_error(tree: R.TreeRecord) -> str | None:
   """The first infrastructure failure of `tree` (engine, sandbox), or None."""
   for n in tree.nodes:
-    if n.extras.get("infra_error"):
-      return str(n.extras["infra_error"])
+    if n.extras.get(R.INFRA_ERROR):
+      return str(n.extras[R.INFRA_ERROR])
+  return None
+
+
+def engine_failure(trees) -> str | None:
+  """Why the engine stopped serving for good, if a node of `trees` met it, else None."""
+  for t in trees:
+    for n in t.nodes:
+      if n.extras.get(R.ENGINE_FAILED):
+        return str(n.extras[R.ENGINE_FAILED])
   return None
 
 
@@ -136,8 +160,9 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
 
   Returns:
     (kept trees, every tree run including the excluded ones (their `meta["excluded"]` says
-    why), counters: infra_failed_trees, infra_retries, infra_excluded_trees,
-    deadline_cut_trees, groups_dropped).
+    why), counters: infra_failed_trees, infra_retries (trees re-run), infra_excluded_trees,
+    engine_error_trees (runs whose engine's device step failed), deadline_cut_trees,
+    groups_dropped).
   """
   if deadline_rule not in DEADLINE_RULES:
     raise ValueError(f"deadline_rule={deadline_rule!r}: use one of {DEADLINE_RULES}.")
@@ -146,7 +171,7 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
       runner.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
       for k in range(group_size))))
   stats = {"infra_failed_trees": 0.0, "infra_retries": 0.0, "infra_excluded_trees": 0.0,
-           "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
+           "engine_error_trees": 0.0, "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
   every = list(trees)
   stats["infra_failed_trees"] = float(sum(infra_error(t) is not None for t in trees))
   for attempt in range(1, infra_retries + 1):
@@ -162,6 +187,8 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
     for k, t in zip(bad, redo):
       trees[k] = t
       every.append(t)
+  stats["engine_error_trees"] = float(sum(
+      any(n.extras.get(R.ENGINE_ERROR) for n in t.nodes) for t in every))
   kept = []
   for t in trees:
     err = infra_error(t)
@@ -334,7 +361,32 @@ class Trainer:
     if self.num_processes > 1:
       trees, every, faults, toks, wall = await asyncio.to_thread(
           exchange, trees, every, dict(faults), toks, wall)
+    # On the union, so every process of a multi-host run stops at the same point.
+    self._stop_if_engine_failed(every, step, f"step {step + 1}'s rollouts")
     return trees, X.RolloutStats(wall, toks), every, dict(faults)
+
+  def _stop_if_engine_failed(self, trees, step: int, during: str) -> None:
+    """Raises RolloutEngineFailedError when a tree met an engine that stopped serving: its
+    re-runs cannot succeed, and every later step would drop all its groups.
+
+    Args:
+      trees: the trees just grown.
+      step: steps done (the checkpoint `_run` saves on its way out is of this step).
+      during: what was running, for the message.
+    """
+    why = engine_failure(trees)
+    if why is None:
+      return
+    # _run's exit saves the newest state when a step was done since the start.
+    saved = (f"the newest state (after step {step}) is saved in {self.learner.cfg.ckpt_dir}"
+             if step > self.start_step else
+             "no step was done since the run started, so its starting state stands")
+    raise RolloutEngineFailedError(
+        f"The rollout engine stopped serving during {during}, so the run "
+        f"stops; {saved}. "
+        f"Cause: {why} In the run's config: --config.rollout.num_slots, "
+        "--config.rollout.max_cache_len, --config.rollout.embedded.max_consecutive_faults. "
+        "Running the same command again resumes.")
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
     """Greedy held-out evaluation per difficulty; writes trees and an HTML page."""
@@ -346,6 +398,7 @@ class Trainer:
     for diff in c.env.eval_difficulties:
       tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
       trees = await runner.run_tasks(tasks, group_size=1)
+      self._stop_if_engine_failed(trees, step, f"the evaluation after step {step}")
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)
     out.update(metrics_lib.tree_stats(all_trees))

@@ -8,9 +8,12 @@ Examples (in a checkout, `python -m experiments.train` is the same command):
   rao-train --config=experiments/configs/textcraft_synth.py:recursive,smoke \
       --workdir=/tmp/smoke --config.rl.group_size=4
 
-Restarting the same command resumes from the newest complete checkpoint in --workdir.
+Restarting the same command resumes from the newest complete checkpoint in --workdir. A fault
+the run cannot survive (updates that keep diverging, a rollout engine that keeps failing) saves
+a checkpoint, prints what happened and how to go on, and exits with status 1.
 """
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from rao_jax.cli import common
@@ -27,7 +30,18 @@ def main(argv):
   common.check_keys(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS["config"]))
   common.init_distributed()
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
-  trainer.train(_CONFIG.value, _WORKDIR.value)
+  train_or_exit(trainer, _CONFIG.value, _WORKDIR.value)
+
+
+def train_or_exit(trainer, config, workdir: str):
+  """``trainer.train``; a fault the run cannot survive (``trainer.FatalRunError``: divergence,
+  a rollout engine that stopped serving) exits with its message and status 1, not a traceback:
+  the message names the cause, the checkpoint and the fix, and the log has the details."""
+  try:
+    return trainer.train(config, workdir)
+  except trainer.FatalRunError as e:
+    logging.error("The run stopped: %s", e)
+    raise SystemExit(f"rao-train: the run stopped: {e}") from None
 
 
 def run() -> None:
