@@ -74,6 +74,7 @@ from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 from rao_jax.experiment import DEADLINE_RULES, RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
+from rao_jax.rollout.base import EngineFailedError
 
 log = logging.getLogger(__name__)
 ROLLOUT_REPORT_S = 60.0   # seconds between two progress lines of one step's rollouts
@@ -327,7 +328,10 @@ class Trainer:
     """The engine serves the learner's current weights as `version` once this returns (it
     copies or exports them, see `Engine.update_weights`); returns the seconds it took."""
     t0 = time.perf_counter()
-    await self.engine.update_weights(self._local_model(), version)
+    try:
+      await self.engine.update_weights(self._local_model(), version)
+    except EngineFailedError as e:   # e.g. it stopped while a judge used it
+      raise self._engine_failed(str(e), version, f"the weight sync after step {version}") from e
     return time.perf_counter() - t0
 
   # -- rollouts --------------------------------------------------------------------------------
@@ -361,27 +365,18 @@ class Trainer:
     if self.num_processes > 1:
       trees, every, faults, toks, wall = await asyncio.to_thread(
           exchange, trees, every, dict(faults), toks, wall)
-    # On the union, so every process of a multi-host run stops at the same point.
-    self._stop_if_engine_failed(every, step, f"step {step + 1}'s rollouts")
+    # A tree met an engine that stopped serving: re-runs cannot succeed, and every later step
+    # would drop all its groups. Checked on the union: every process stops at the same point.
+    if engine_failure(every) is not None:
+      raise self._engine_failed(engine_failure(every), step, f"step {step + 1}'s rollouts")
     return trees, X.RolloutStats(wall, toks), every, dict(faults)
 
-  def _stop_if_engine_failed(self, trees, step: int, during: str) -> None:
-    """Raises RolloutEngineFailedError when a tree met an engine that stopped serving: its
-    re-runs cannot succeed, and every later step would drop all its groups.
-
-    Args:
-      trees: the trees just grown.
-      step: steps done (the checkpoint `_run` saves on its way out is of this step).
-      during: what was running, for the message.
-    """
-    why = engine_failure(trees)
-    if why is None:
-      return
-    # _run's exit saves the newest state when a step was done since the start.
+  def _engine_failed(self, why: str, step: int, during: str) -> "RolloutEngineFailedError":
+    """The error that stops the run; `step`: steps done (`_run` saves them on its way out)."""
     saved = (f"the newest state (after step {step}) is saved in {self.learner.cfg.ckpt_dir}"
              if step > self.start_step else
              "no step was done since the run started, so its starting state stands")
-    raise RolloutEngineFailedError(
+    return RolloutEngineFailedError(
         f"The rollout engine stopped serving during {during}, so the run "
         f"stops; {saved}. "
         f"Cause: {why} In the run's config: --config.rollout.num_slots, "
@@ -398,7 +393,8 @@ class Trainer:
     for diff in c.env.eval_difficulties:
       tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
       trees = await runner.run_tasks(tasks, group_size=1)
-      self._stop_if_engine_failed(trees, step, f"the evaluation after step {step}")
+      if engine_failure(trees) is not None:
+        raise self._engine_failed(engine_failure(trees), step, f"the evaluation after step {step}")
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)
     out.update(metrics_lib.tree_stats(all_trees))

@@ -92,6 +92,7 @@ class EmbeddedEngine(Engine):
     self._thread: threading.Thread | None = None
     self._faults_in_row = 0
     self._failed: str | None = None   # why the engine stopped for good (EngineFailedError)
+    self._deferred: list | None = None   # results held back while a fault is handled
 
   # ---- public API ----------------------------------------------------------------------------
   @property
@@ -469,7 +470,20 @@ class EmbeddedEngine(Engine):
 
   def _recover(self, exc: Exception) -> bool:
     """After a failed step: ends every held request with FinishReason.ERROR and rebuilds the
-    device state; returns False when the engine stops for good instead."""
+    device state; returns False when the engine stops for good instead.
+
+    The results go out once the engine is rebuilt (or stopped): a caller that re-submits on
+    seeing one must meet the new state, not be swept up by the end of this fault.
+    """
+    self._deferred = []
+    try:
+      return self._handle_fault(exc)
+    finally:
+      deliveries, self._deferred = self._deferred, None
+      for loop, deliver in deliveries:
+        _call_soon(loop, deliver)
+
+  def _handle_fault(self, exc: Exception) -> bool:
     self._faults_in_row += 1
     self.stats["faults"] += 1
     n, limit = self._faults_in_row, self.config.max_consecutive_faults
@@ -545,10 +559,17 @@ class EmbeddedEngine(Engine):
         fut.set_exception(type(error)(*error.args))
       else:
         fut.set_result(res)
-    try:
-      req.loop.call_soon_threadsafe(deliver)
-    except RuntimeError:   # the caller's loop is gone; nobody is waiting
-      pass
+    if self._deferred is not None:
+      self._deferred.append((req.loop, deliver))
+    else:
+      _call_soon(req.loop, deliver)
+
+
+def _call_soon(loop, fn) -> None:
+  try:
+    loop.call_soon_threadsafe(fn)
+  except RuntimeError:   # the caller's loop is gone; nobody is waiting
+    pass
 
 
 __all__ = ["EmbeddedEngine"]
