@@ -30,8 +30,17 @@ log = logging.getLogger(__name__)
 def infra_error(tree: R.TreeRecord) -> str | None:
   """The first infrastructure failure of `tree` (engine, sandbox), or None."""
   for n in tree.nodes:
-    if n.extras.get("infra_error"):
-      return str(n.extras["infra_error"])
+    if n.extras.get(R.INFRA_ERROR):
+      return str(n.extras[R.INFRA_ERROR])
+  return None
+
+
+def engine_failure(trees) -> str | None:
+  """Why the engine stopped serving for good, if a node of `trees` met it, else None."""
+  for t in trees:
+    for n in t.nodes:
+      if n.extras.get(R.ENGINE_FAILED):
+        return str(n.extras[R.ENGINE_FAILED])
   return None
 
 
@@ -88,8 +97,9 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
 
   Returns:
     (kept trees, every tree run including the excluded ones (their `meta["excluded"]` says
-    why), counters: infra_failed_trees, infra_retries, infra_excluded_trees,
-    deadline_cut_trees, groups_dropped).
+    why), counters: infra_failed_trees, infra_retries (trees re-run), infra_excluded_trees,
+    engine_error_trees (runs whose engine's device step failed), deadline_cut_trees,
+    groups_dropped).
   """
   if deadline_rule not in DEADLINE_RULES:
     raise ValueError(f"deadline_rule={deadline_rule!r}: use one of {DEADLINE_RULES}.")
@@ -98,7 +108,7 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
       runner.run_tree(task, tree_id=f"{gid}/{k}", group_id=gid, deadline=deadline)
       for k in range(group_size))))
   stats = {"infra_failed_trees": 0.0, "infra_retries": 0.0, "infra_excluded_trees": 0.0,
-           "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
+           "engine_error_trees": 0.0, "deadline_cut_trees": 0.0, "groups_dropped": 0.0}
   every = list(trees)
   stats["infra_failed_trees"] = float(sum(infra_error(t) is not None for t in trees))
   for attempt in range(1, infra_retries + 1):
@@ -114,6 +124,8 @@ async def collect_group(runner, task, group_size: int, *, deadline: float | None
     for k, t in zip(bad, redo):
       trees[k] = t
       every.append(t)
+  stats["engine_error_trees"] = float(sum(
+      any(n.extras.get(R.ENGINE_ERROR) for n in t.nodes) for t in every))
   kept = []
   for t in trees:
     err = infra_error(t)

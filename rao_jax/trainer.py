@@ -42,6 +42,12 @@ Faults the loop survives (each counted in the `train/faults/*` metrics):
     the runner's `extras["infra_error"]`) is re-run `config.rl.infra_retries` times, then left
     out of its group's baseline and of the loss (never scored as the agent's failure); a group
     left with fewer than 2 trees is dropped;
+  * the embedded engine's device step failing (a device error, out of memory) ends the requests
+    it held with `FinishReason.ERROR`; the engine rebuilds its KV cache and serves on, and the
+    affected trees are infrastructure failures like those above (re-run; counted in
+    `faults/engine_error_trees` and `faults/infra_retries`). An engine that fails
+    `config.rollout.embedded.max_consecutive_faults` steps in a row stops serving: the run
+    stops with `RolloutEngineFailedError` after a checkpoint of its newest state;
   * with `config.rl.rollout_deadline_s` > 0, trees still running that long after the step's
     rollouts began are cut (their nodes end with "timeout"); `config.rl.deadline_rule` then
     either scores them as they stand ("unfinished") or drops their groups ("drop_group");
@@ -69,13 +75,15 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from rao_jax import experiment as X
-from rao_jax.collection import RolloutProgress, collect_group, exchange, process_share
+from rao_jax.collection import (RolloutProgress, collect_group, engine_failure, exchange,
+                                process_share)
 from rao_jax import hooks as hooks_lib
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 from rao_jax.experiment import RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
 from rao_jax.rollout import base as rollout_base
+from rao_jax.rollout.base import EngineFailedError
 
 log = logging.getLogger(__name__)
 ROLLOUT_REPORT_S = 60.0   # seconds between two progress lines of one step's rollouts
@@ -85,18 +93,22 @@ class _StopRequested(Exception):
   pass
 
 
-class TrainingDivergedError(RuntimeError):
+class FatalRunError(RuntimeError):
+  """A fault the run cannot survive; its newest state was checkpointed before it propagated,
+  and its message names the cause and the fix (the CLI prints it without a traceback)."""
+
+
+class TrainingDivergedError(FatalRunError):
   """Too many non-finite updates in a row; the last finite state was checkpointed."""
 
 
-class RolloutUnavailableError(RuntimeError):
+class RolloutUnavailableError(FatalRunError):
   """Every rollout server was gone past the retry timeout; the run's state was checkpointed
   and the same command resumes once a server is back."""
 
 
-# Errors whose message says what happened and what to do: the command line prints them
-# without a traceback (rao_jax/cli/train.py).
-FATAL_ERRORS = (TrainingDivergedError, RolloutUnavailableError)
+class RolloutEngineFailedError(FatalRunError):
+  """The rollout engine stopped serving (repeated device failures); the run stops."""
 
 
 class _Stopper:
@@ -242,7 +254,10 @@ class Trainer:
     """The engine serves the learner's current weights as `version` once this returns (it
     copies or exports them, see `Engine.update_weights`); returns the seconds it took."""
     t0 = time.perf_counter()
-    await self.engine.update_weights(self._local_model(), version)
+    try:
+      await self.engine.update_weights(self._local_model(), version)
+    except EngineFailedError as e:   # e.g. it stopped while a judge used it
+      raise self._engine_failed(str(e), version, f"the weight sync after step {version}") from e
     return time.perf_counter() - t0
 
   # -- rollouts --------------------------------------------------------------------------------
@@ -279,8 +294,23 @@ class Trainer:
     if self.num_processes > 1:
       trees, every, faults, toks, wall = await asyncio.to_thread(
           exchange, trees, every, dict(faults), toks, wall)
+    # A tree met an engine that stopped serving: re-runs cannot succeed, and every later step
+    # would drop all its groups. Checked on the union: every process stops at the same point.
+    if engine_failure(every) is not None:
+      raise self._engine_failed(engine_failure(every), step, f"step {step + 1}'s rollouts")
     return (trees, X.RolloutStats(wall, toks, self.engine.health_metrics()), every,
             dict(faults))
+
+  def _engine_failed(self, why: str, step: int, during: str) -> "RolloutEngineFailedError":
+    """The error that stops the run; `step`: steps done (`_run` saves them on its way out)."""
+    saved = (f"the newest state (after step {step}) is saved in {self.learner.cfg.ckpt_dir}"
+             if step > self.start_step else
+             "no step was done since the run started, so its starting state stands")
+    return RolloutEngineFailedError(
+        f"The rollout engine stopped serving during {during}, so the run stops; {saved}. "
+        f"Cause: {why} In the run's config: --config.rollout.num_slots, "
+        "--config.rollout.max_cache_len, --config.rollout.embedded.max_consecutive_faults. "
+        "Running the same command again resumes.")
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
     """Greedy held-out evaluation per difficulty; writes trees and an HTML page."""
@@ -292,6 +322,8 @@ class Trainer:
     for diff in c.env.eval_difficulties:
       tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
       trees = await runner.run_tasks(tasks, group_size=1)
+      if engine_failure(trees) is not None:
+        raise self._engine_failed(engine_failure(trees), step, f"the evaluation after step {step}")
       self.engine.check_available()     # no score from trees no server could run
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)

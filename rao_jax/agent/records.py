@@ -22,6 +22,12 @@ END_ERROR = "error"            # a fatal error (sandbox crash, aborted rollout, 
 END_TIMEOUT = "timeout"        # the node's wall-clock limit passed
 END_REASONS = (END_FINISH, END_MAX_STEPS, END_CONTEXT, END_BUDGET, END_ERROR, END_TIMEOUT)
 
+# Keys of NodeRecord.extras that say a node ended through no fault of the policy (the trainer
+# re-runs such trees and never scores them as the agent's failure).
+INFRA_ERROR = "infra_error"      # any infrastructure failure: engine, sandbox (the message)
+ENGINE_ERROR = "engine_error"    # the engine's device step failed (FinishReason.ERROR)
+ENGINE_FAILED = "engine_failed"  # the engine stopped serving for good (EngineFailedError)
+
 # Values of NodeRecord.success_source (RAO_SPEC success chain, in order).
 SOURCE_VERIFIER = "verifier"
 SOURCE_JUDGE = "judge"
@@ -55,7 +61,8 @@ class NodeRecord:
     timings: seconds: "start", "end" (relative to the tree start), "generate", "execute".
     num_generated_tokens: sum(gen_mask).
     num_steps: REPL turns this node took.
-    extras: free-form JSON data: code of each turn, observations text, judge log, errors.
+    extras: free-form JSON data: code of each turn, observations text, judge log, errors
+      (infrastructure failures under INFRA_ERROR, ENGINE_ERROR, ENGINE_FAILED).
   """
   node_id: str
   parent_id: str | None

@@ -21,7 +21,9 @@ Failures are data: unparsable code, raising tools, timeouts and crashes become o
 an aborted or failed generation ends the node with "error"; the tree always ends with a record.
 A failure of the infrastructure rather than the agent (the engine failed or aborted, the sandbox
 crashed or could not be set up) is also named in `extras["infra_error"]`, so the trainer can keep
-it out of the baseline. With a `deadline` (`run_tree` / `run_tasks`), every node of a tree past
+it out of the baseline; an engine's device failure (`FinishReason.ERROR`) is named in
+`extras["engine_error"]` too, and an engine that stopped serving for good (`EngineFailedError`)
+in `extras["engine_failed"]`, which the trainer treats as fatal to the run. With a `deadline` (`run_tree` / `run_tasks`), every node of a tree past
 it ends with "timeout" at its next turn boundary, a generation in flight is cut, and the node's
 `extras["deadline"]` says so.
 
@@ -330,8 +332,10 @@ class TreeRunner:
             and time.perf_counter() >= tree.deadline):
           rec.extras["deadline"] = "cut during a generation"
           return R.END_TIMEOUT
-        rec.extras["error"] = rec.extras["infra_error"] = (
+        rec.extras["error"] = rec.extras[R.INFRA_ERROR] = (
             f"generate failed: {type(e).__name__}: {e}")
+        if isinstance(e, rollout.EngineFailedError):
+          rec.extras[R.ENGINE_FAILED] = str(e)
         return R.END_ERROR
       t_gen_end = time.perf_counter()
       rec.timings["generate"] += t_gen_end - t0
@@ -341,6 +345,11 @@ class TreeRunner:
       if len(res.logprobs) != len(res.token_ids):
         rec.extras["error"] = rec.extras["infra_error"] = (
             "engine returned logprobs and token_ids of different lengths")
+        return R.END_ERROR
+      if res.finish_reason == rollout.FinishReason.ERROR:
+        # Before the output is kept: it came from device state the engine threw away.
+        rec.extras["error"] = rec.extras[R.INFRA_ERROR] = rec.extras[R.ENGINE_ERROR] = (
+            f"engine error: {res.message}")
         return R.END_ERROR
       if res.token_ids:
         rec.turn_starts.append(len(rec.token_ids))

@@ -8,9 +8,10 @@ Examples (in a checkout, `python -m experiments.train` is the same command):
   rao-train --config=experiments/configs/textcraft_synth.py:recursive,smoke \
       --workdir=/tmp/smoke --config.rl.group_size=4
 
-Restarting the same command resumes from the newest complete checkpoint in --workdir.
-A run that stops on its own (every rollout server gone, training diverged) saves a checkpoint
-and prints why and what to do, without a traceback, and exits with status 1.
+Restarting the same command resumes from the newest complete checkpoint in --workdir. A fault
+the run cannot survive (updates that keep diverging, every rollout server gone, a rollout engine
+that keeps failing) saves a checkpoint, prints what happened and how to go on, without a
+traceback, and exits with status 1.
 """
 from absl import flags
 from ml_collections import config_flags
@@ -29,11 +30,16 @@ def main(argv):
   common.check_keys(_CONFIG.value, config_flags.get_config_filename(flags.FLAGS["config"]))
   common.init_distributed()
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top  (after distributed init)
+  train_or_exit(trainer, _CONFIG.value, _WORKDIR.value)
+
+
+def train_or_exit(trainer, config, workdir: str):
+  """``trainer.train``; a fault the run cannot survive (``trainer.FatalRunError``) exits with its
+  message and status 1. The message is the report (what happened, where the checkpoint is, how
+  to resume); a traceback would bury it."""
   try:
-    trainer.train(_CONFIG.value, _WORKDIR.value)
-  except trainer.FATAL_ERRORS as e:
-    # The message is the report (what happened, where the checkpoint is, how to resume); a
-    # traceback would bury it. SystemExit with a message prints it and exits with status 1.
+    return trainer.train(config, workdir)
+  except trainer.FatalRunError as e:
     raise SystemExit(f"rao-train: {e}") from None
 
 

@@ -1,6 +1,7 @@
 """Rollout engines: the only thing the agent runtime knows about generation.
 
     Engine / GenerateRequest / GenerateResult / SamplingParams / FinishReason   (base.py)
+    EngineFailedError   an engine that stopped serving (repeated device failures)  (base.py)
     EmbeddedEngine   continuous-batching JAX engine in this process              (engine/)
     SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve        (sglang_client.py,
                      server_pool.py: failed servers are skipped until re-synced)
@@ -13,7 +14,8 @@ plain-Python slot table) does not load JAX, Flax or aiohttp.
 import importlib
 
 from rao_jax.rollout.base import (  # noqa: F401
-    Engine, EngineUnavailableError, FinishReason, GenerateRequest, GenerateResult, SamplingParams)
+    Engine, EngineFailedError, EngineUnavailableError, FinishReason, GenerateRequest,
+    GenerateResult, SamplingParams)
 
 _LAZY = {"EmbeddedEngine": "rao_jax.rollout.engine", "EngineConfig": "rao_jax.rollout.engine",
          "ClientConfig": "rao_jax.rollout.sglang_client",
@@ -27,5 +29,6 @@ def __getattr__(name):
   raise AttributeError(f"module 'rao_jax.rollout' has no attribute {name!r}")
 
 
-__all__ = ["ClientConfig", "EmbeddedEngine", "Engine", "EngineConfig", "EngineUnavailableError",
-           "FinishReason", "GenerateRequest", "GenerateResult", "OpenAIEngine", "SGLangEngine", "SamplingParams"]
+__all__ = ["ClientConfig", "EmbeddedEngine", "Engine", "EngineConfig", "EngineFailedError",
+           "EngineUnavailableError", "FinishReason", "GenerateRequest", "GenerateResult",
+           "OpenAIEngine", "SGLangEngine", "SamplingParams"]

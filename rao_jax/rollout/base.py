@@ -18,6 +18,17 @@ class FinishReason(str, enum.Enum):
   LENGTH = "length"        # max_new_tokens reached
   CONTEXT = "context"      # the session's context-window limit was reached
   ABORT = "abort"          # aborted (by the caller, a weight update policy, or a dead server)
+  # The engine's own device step failed while the request was held (a device error, out of
+  # memory): an infrastructure failure, never the policy's. The output so far (if any) came
+  # from a device state that was then thrown away; callers must not train on it. The engine
+  # rebuilt its state and serves later requests (see EngineFailedError for when it cannot).
+  ERROR = "error"
+
+
+class EngineFailedError(RuntimeError):
+  """The engine stopped serving: its device steps failed too often in a row to go on
+  (``EmbeddedEngine``: ``EngineConfig.max_consecutive_faults``). Every later call raises it;
+  a run cannot continue on this engine, unlike a single ``FinishReason.ERROR``."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -151,7 +162,7 @@ class GenerateResult:
   weight_version: int | str
   prompt_len: int = 0
   cached_tokens: int = 0        # prompt tokens served from a kept session cache
-  message: str = ""             # details for aborts / errors
+  message: str = ""             # details for aborts / errors (FinishReason.ERROR: the cause)
 
 
 class Engine(abc.ABC):

@@ -5,6 +5,7 @@ Plain Python (no JAX): the slot table, the cache-length policy and their tests i
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 
@@ -55,6 +56,11 @@ class EngineConfig:
       text) so generation ends where users expect; () = such requests never stop early.
     share_prefix_min: a new context copies another slot's KV rows for a common prompt prefix
       at least this many tokens longer than its own slot holds (0 = never share across slots).
+    max_consecutive_faults: scheduler steps whose device work may fail in a row (a device
+      error, out of memory) before the engine stops for good. Each failure ends the requests
+      the engine holds with ``FinishReason.ERROR`` and rebuilds the KV cache and slot table;
+      a step whose device calls complete resets the count. Past it every call raises
+      ``EngineFailedError`` (a run stops with a checkpoint rather than retrying forever).
   """
   num_slots: int = 16
   max_len: int = 2048
@@ -70,6 +76,7 @@ class EngineConfig:
   seed: int = 0
   default_stop_token_ids: tuple[int, ...] = ()
   share_prefix_min: int = 32
+  max_consecutive_faults: int = 3
 
   def __post_init__(self):
     def ascending(name, vals):
@@ -91,6 +98,11 @@ class EngineConfig:
     if int(self.share_prefix_min) < 0:
       raise ValueError(f"EngineConfig.share_prefix_min={self.share_prefix_min!r}: must be >= 0 "
                        "(0 turns cross-slot prefix sharing off).")
+    faults = self.max_consecutive_faults
+    if isinstance(faults, bool) or not isinstance(faults, numbers.Integral) or faults < 1:
+      raise ValueError(f"EngineConfig.max_consecutive_faults={faults!r}: must be an int >= 1 "
+                       "(failed device steps in a row before the engine stops; 1 = stop at "
+                       "the first failure).")
     for name in ("num_slots", "max_len", "min_cache_len", "decode_steps", "shrink_patience"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1.")

@@ -5,6 +5,13 @@ everything to one scheduler thread through a condition variable; the thread appl
 and new weights between two device steps and runs ``Scheduler.step`` while requests wait or
 run. Slot state is only ever touched on that thread. Results go back to each caller's event
 loop with ``call_soon_threadsafe``.
+
+A failed step (a device error or out of memory inside a jitted call) is an infrastructure
+fault, not a reason to stop: every request the engine holds ends with ``FinishReason.ERROR``,
+the scheduler rebuilds its device state (KV cache, slot table, cache length; weights kept) and
+serves what comes next. ``EngineConfig.max_consecutive_faults`` failed steps in a row mean the
+device does not recover: the engine then stops for good and every call raises
+``EngineFailedError``, so callers stop rather than re-submit forever.
 """
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
+from rao_jax.rollout.base import (Engine, EngineFailedError, FinishReason, GenerateRequest,
+                                  GenerateResult)
 from rao_jax.rollout.engine import programs as P
 from rao_jax.rollout.engine.config import EngineConfig, bucket
 from rao_jax.rollout.engine.scheduler import Scheduler
@@ -82,6 +90,9 @@ class EmbeddedEngine(Engine):
     self._paused = False
     self._closed = False
     self._thread: threading.Thread | None = None
+    self._faults_in_row = 0
+    self._failed: str | None = None   # why the engine stopped for good (EngineFailedError)
+    self._deferred: list | None = None   # results held back while a fault is handled
 
   # ---- public API ----------------------------------------------------------------------------
   @property
@@ -99,6 +110,11 @@ class EmbeddedEngine(Engine):
     programs compiled by another engine over the same architecture are reused, not
     counted)."""
     return dict(self._traces)
+
+  @property
+  def failure(self) -> str | None:
+    """Why the engine stopped serving (``EngineFailedError``'s message), or None."""
+    return self._failed
 
   @property
   def num_running(self) -> int:
@@ -121,6 +137,8 @@ class EmbeddedEngine(Engine):
     if req.done:     # answered at admission (e.g. the prompt already fills the context)
       return req.future.result()
     with self._cv:
+      if self._failed is not None:
+        raise EngineFailedError(self._failed)
       if self._closed:
         raise RuntimeError("EmbeddedEngine is closed.")
       if req.rid in self._by_rid:
@@ -193,6 +211,9 @@ class EmbeddedEngine(Engine):
     touched there); returns a Future of its result."""
     fut = concurrent.futures.Future()
     with self._cv:
+      if self._failed is not None:   # no scheduler thread will ever run it
+        fut.set_exception(EngineFailedError(self._failed))
+        return fut
       self._controls.append((fn, fut))
       self._ensure_thread()
       self._cv.notify()
@@ -237,6 +258,9 @@ class EmbeddedEngine(Engine):
     newer update arriving first supersedes them and resolves it too)."""
     fut = concurrent.futures.Future()
     with self._cv:
+      if self._failed is not None:
+        fut.set_exception(EngineFailedError(self._failed))
+        return fut
       self._pending_weights = (params, version)
       self._weight_waiters.append(fut)
       self._ensure_thread()
@@ -410,8 +434,9 @@ class EmbeddedEngine(Engine):
   # ---- scheduler thread -----------------------------------------------------------------------
   def _run(self):
     P.count_traces_on_this_thread(self._traces)
-    table = self._sched.table
     while True:
+      # Read afresh each time: a rebuild after a fault replaces the table.
+      table = self._sched.table
       with self._cv:
         while not (self._inbox or self._controls or self._pending_weights is not None
                    or self._closed
@@ -437,31 +462,84 @@ class EmbeddedEngine(Engine):
         if closed:
           self._abort_where(lambda r: True, "engine closed")
           return
-        if not paused:
-          self._sched.step()
+        if not paused and self._sched.step():
+          self._faults_in_row = 0
       except Exception as e:   # a failed step fails its requests, not the engine
-        log.exception("embedded engine step failed")
-        self._fail_all(e)
+        if not self._recover(e):
+          return
 
-  def _abort_where(self, pred, message):
+  def _recover(self, exc: Exception) -> bool:
+    """After a failed step: ends every held request with FinishReason.ERROR and rebuilds the
+    device state; returns False when the engine stops for good instead.
+
+    The results go out once the engine is rebuilt (or stopped): a caller that re-submits on
+    seeing one must meet the new state, not be swept up by the end of this fault.
+    """
+    self._deferred = []
+    try:
+      return self._handle_fault(exc)
+    finally:
+      deliveries, self._deferred = self._deferred, None
+      for loop, deliver in deliveries:
+        _call_soon(loop, deliver)
+
+  def _handle_fault(self, exc: Exception) -> bool:
+    self._faults_in_row += 1
+    self.stats["faults"] += 1
+    n, limit = self._faults_in_row, self.config.max_consecutive_faults
+    log.error("embedded engine step failed (%d in a row, max_consecutive_faults=%d): %r",
+              n, limit, exc, exc_info=exc)
+    cause = f"{type(exc).__name__}: {exc}"
+    if n >= limit:
+      self._stop_for_good(f"{n} device steps failed in a row (EngineConfig."
+                          f"max_consecutive_faults={limit}); the last: {cause}")
+      return False
+    self._abort_where(lambda r: True,
+                      f"the engine's device step failed (infrastructure, not the policy): "
+                      f"{cause}", FinishReason.ERROR)
+    try:
+      self._sched.rebuild()
+    except Exception as e:  # noqa: BLE001 - without a cache there is nothing left to serve
+      log.exception("embedded engine could not rebuild its device state")
+      self._stop_for_good(f"rebuilding the device state after a failed step ({cause}) failed "
+                          f"too: {type(e).__name__}: {e}")
+      return False
+    self.stats["rebuilds"] += 1
+    return True
+
+  def _stop_for_good(self, why: str) -> None:
+    """Marks the engine failed: the requests it holds and every later call raise
+    EngineFailedError (a caller then knows that re-submitting cannot help)."""
+    msg = (f"EmbeddedEngine stopped serving: {why}. Free accelerator memory or lower "
+           "EngineConfig.num_slots / max_len, or raise EngineConfig.max_consecutive_faults.")
+    with self._cv:
+      self._failed = msg
+      controls, self._controls = self._controls, []
+      waiters, self._weight_waiters = self._weight_waiters, []
+      self._pending_weights = None
+    self._abort_where(lambda r: True, msg, FinishReason.ERROR, EngineFailedError(msg))
+    for _, fut in controls:
+      fut.set_exception(EngineFailedError(msg))
+    for fut in waiters:
+      fut.set_exception(EngineFailedError(msg))
+
+  def _abort_where(self, pred, message, reason: FinishReason = FinishReason.ABORT,
+                   error: Exception | None = None):
     table = self._sched.table
     for r in [r for r in table.requests() if pred(r)]:
       if r in table.waiting:
         table.waiting.remove(r)
-      self._finish(r, FinishReason.ABORT, message)
-    # Requests handed over but not yet moved to the waiting queue are aborted there too.
+      self._finish(r, reason, message, error)
+    # Requests handed over but not yet moved to the waiting queue are ended there too.
     with self._cv:
       pending = [r for r in self._inbox if pred(r)]
       self._inbox = [r for r in self._inbox if not pred(r)]
     for r in pending:
-      self._finish(r, FinishReason.ABORT, message)
+      self._finish(r, reason, message, error)
 
-  def _fail_all(self, exc):
-    self._abort_where(lambda r: True, f"engine error: {exc!r}")
-    for s in self._sched.table.slots:
-      self._sched.table.free(s)
-
-  def _finish(self, req: Req, reason: FinishReason, message: str = ""):
+  def _finish(self, req: Req, reason: FinishReason, message: str = "",
+              error: Exception | None = None):
+    """Ends ``req``: its caller gets the result, or ``error`` raised when one is given."""
     if req.done:
       return
     req.done = True
@@ -475,12 +553,23 @@ class EmbeddedEngine(Engine):
     self.stats[f"finish_{reason.value}"] += 1
 
     def deliver(fut=req.future, res=result):
-      if not fut.done():
+      if fut.done():
+        return
+      if error is not None:   # one instance per caller: a raise writes its traceback into it
+        fut.set_exception(type(error)(*error.args))
+      else:
         fut.set_result(res)
-    try:
-      req.loop.call_soon_threadsafe(deliver)
-    except RuntimeError:   # the caller's loop is gone; nobody is waiting
-      pass
+    if self._deferred is not None:
+      self._deferred.append((req.loop, deliver))
+    else:
+      _call_soon(req.loop, deliver)
+
+
+def _call_soon(loop, fn) -> None:
+  try:
+    loop.call_soon_threadsafe(fn)
+  except RuntimeError:   # the caller's loop is gone; nobody is waiting
+    pass
 
 
 __all__ = ["EmbeddedEngine"]

@@ -57,8 +57,29 @@ class Scheduler:
     self._copy_row = functools.partial(P.copy_row, batch_axes)
     self._swap_rows = functools.partial(P.swap_rows, batch_axes)
     self.score_fn = functools.partial(P.score, fns)
-    self.state = P.DeviceState(
-        params=params, cache=model.init_cache(batch_size=c.num_slots, max_len=self.policy.length))
+    self.state = P.DeviceState(params=params, cache=self._fresh_cache())
+
+  def _fresh_cache(self):
+    return self._init_cache(batch_size=self.config.num_slots, max_len=self.policy.length)
+
+  # ---- recovery ------------------------------------------------------------------------------
+  def rebuild(self) -> None:
+    """Starts the device state over after a failed device call: an empty slot table (no
+    requests, no kept sessions), the smallest cache length and a zeroed KV cache; the weights
+    are kept (no program donates them).
+
+    A failed call may have consumed its donated cache, or left rows half written that the
+    table believes hold a context; nothing of the old cache can be trusted. Its buffers are
+    released first, so a failure from memory pressure does not hold two caches at once. The
+    caller has already ended every request the old table held.
+    """
+    for x in jax.tree.leaves(self.state.cache):
+      if not x.is_deleted():
+        x.delete()
+    self.table = SlotTable(self.config, self.stats)
+    self.policy = CacheLenPolicy(self.config.cache_lens, self.config.shrink_patience)
+    self.state = self.state.replace(cache=self._fresh_cache())
+    jax.block_until_ready(self.state.cache)
 
   # ---- weights -------------------------------------------------------------------------------
   def set_params(self, params) -> None:
@@ -68,15 +89,21 @@ class Scheduler:
     self.table.new_weights()
 
   # ---- one step ------------------------------------------------------------------------------
-  def step(self) -> None:
+  def step(self) -> bool:
+    """Admits, prefills a chunk, decodes; returns whether a prefill or decode ran (its
+    device results came back, so the device works)."""
     for src, dst in self.table.admit():
       self.state = self.state.replace(
           cache=self._copy_row(self.state.cache, np.int32(src), np.int32(dst)))
+    ran = False
     if self.table.prefilling():
       self._prefill_step()
+      ran = True
     decoding = self.table.decoding()
     if decoding:
       self._decode_step(decoding)
+      ran = True
+    return ran
 
   def _ensure_cache_len(self, needed: int, allow_shrink: bool) -> None:
     old = self.policy.length
