@@ -56,6 +56,7 @@ def _rows(workdir):
 
 
 def test_one_engine_fault_in_a_step_reruns_the_trees_it_hit(policy_dir, tmp_path, monkeypatch):
+  from rao_jax import collection
   from rao_jax import trainer as tr
   from rao_jax.agent import records as R
   fault = DeviceFault("decode", lambda call: call == 1)   # the run's first decode call
@@ -78,7 +79,7 @@ def test_one_engine_fault_in_a_step_reruns_the_trees_it_hit(policy_dir, tmp_path
     assert t.meta["excluded"].startswith("infrastructure failure, retried: engine error")
     assert root.num_generated_tokens == 0   # the failed call's output is not kept
   for t in reruns:
-    assert tr.infra_error(t) is None and "excluded" not in t.meta
+    assert collection.infra_error(t) is None and "excluded" not in t.meta
   assert row["train/faults/engine_error_trees"] == len(hit)
   assert row["train/faults/infra_retries"] == len(hit)
   assert row["train/faults/infra_excluded_trees"] == 0
