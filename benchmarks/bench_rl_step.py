@@ -35,8 +35,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 from absl import app
 from absl import flags
 
@@ -299,7 +297,7 @@ def learner_work(batch, query_block: int = 64) -> dict:
   shared_prefix_saved: the trajectories' tokens that shared prefixes did not put in the rows
   (the system prompt, a group's root prompt), and its share of the real tokens.
   """
-  from rao_jax.kernels.attention import SUFFIX_BASE  # pylint: disable=g-import-not-at-top
+  from rao_jax.kernels.segments import SUFFIX_BASE  # pylint: disable=g-import-not-at-top
   seg, mask = batch.segment_ids_BxT, batch.loss_mask_BxT
   real = int(batch.stats["real_tokens"])
   packed = int((seg != 0).sum())

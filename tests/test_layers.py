@@ -33,6 +33,7 @@ LAYERS = [
     ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
     ["rao_jax.metrics", "rao_jax.hooks"],     # metrics files, plots, tree pages; loop hooks
     ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
+    ["rao_jax.collection"],                   # a step's trees under the fault rules, progress
     ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
     ["rao_jax.testing"],                      # test fixtures over any of the above
     ["rao_jax.cli"],                          # console entry points (rao-train, ...) over the runs

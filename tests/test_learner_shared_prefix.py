@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.kernels import attention, mkl
+from rao_jax.kernels import mkl
+from rao_jax.kernels import segments
 from rao_jax.learner import LearnerConfig, compute_rewards_and_advantages, pack_trees
 from rao_jax.learner import step as step_lib
 from rao_jax.learner import testing
@@ -68,15 +69,15 @@ def loss_and_grads(kernels, share, params, batch):
 
 
 def test_segments_see_its_prefix_and_itself_only():
-  p1, p2 = attention.shared_prefix_id(1), attention.shared_prefix_id(2)
-  s11, s12, s21 = (attention.suffix_id(1, 1), attention.suffix_id(1, 2),
-                   attention.suffix_id(2, 1))
+  p1, p2 = segments.shared_prefix_id(1), segments.shared_prefix_id(2)
+  s11, s12, s21 = (segments.suffix_id(1, 1), segments.suffix_id(1, 2),
+                   segments.suffix_id(2, 1))
   q = np.array([s11, s11, s11, s11, p1, 3, 3, 0, 0, s21, s21])
   k = np.array([s11, p1, s12, p2, s11, 3, p1, 0, p1, p2, p1])
-  np.testing.assert_array_equal(np.asarray(attention.segments_see(q, k)),
+  np.testing.assert_array_equal(np.asarray(segments.segments_see(q, k)),
                                 [1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 0])
   with pytest.raises(ValueError, match="member 0"):
-    attention.suffix_id(1, 0)
+    segments.suffix_id(1, 0)
 
 
 def test_packing_shares_prompts_and_keeps_each_nodes_tokens():

@@ -4,7 +4,8 @@ program is lowered for (``jax.lax.platform_dependent``), plus a static CPU choic
 Modules: matmul (``dense``: the model's 2-D products; MKL's sgemm on x86 CPUs, else XLA's dot),
 attention (``causal_attention``: the training forward's attention of packed rows; MKL on CPU,
 Pallas splash on TPU, Pallas (Triton) flash on GPU, else XLA's blocked attention; and
-``cached_attention``, XLA's attention against the KV cache), mkl (building, loading and choosing
+``cached_attention``, XLA's attention against the KV cache), segments (the segment ids of packed
+rows and the shared prefixes they name: which key a query sees), mkl (building, loading and choosing
 the MKL kernels of ``csrc/``), mkl_attention (the MKL attention's forward and backward).
 
 The CPU choice is the ``kernels`` argument ("auto" | "mkl" | "xla"), which the model passes from

@@ -14,7 +14,7 @@ Shared prefixes (`share_prefix_min` > 0): nodes whose trajectories start with th
 tokens (every node repeats the system prompt; the trees of a group repeat their root prompt)
 go into one row as a UNIT: the common prefix once, then each member's suffix, which keeps its
 own positions (continuing the prefix's) and sees the prefix and itself only (segment ids from
-`rao_jax.kernels.attention`: prefix -g, suffixes g * SUFFIX_BASE + m). A prefix ends before
+`rao_jax.kernels.segments`: prefix -g, suffixes g * SUFFIX_BASE + m). A prefix ends before
 each member's first generated token and before the token that follows it in every member, so
 no prefix position carries a loss: the last prefix position, which would predict a different
 prompt token for each member, predicts nothing. Loss and gradients equal unshared packing's.
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rao_jax.kernels.attention import shared_prefix_id, suffix_id
+from rao_jax.kernels.segments import shared_prefix_id, suffix_id
 from rao_jax.learner.rewards import Advantages
 
 
@@ -150,7 +150,7 @@ def _prefix_units(items, row_len: int, min_shared: int) -> list[tuple[list, int]
   caps = {it[1]: int(np.argmax(it[3] == 1)) - 1 for it in items}   # first generated - 1
   order = sorted(items, key=lambda it: tuple(it[2][:caps[it[1]]].tolist()))
   units: list[tuple[list, int]] = []
-  members, L, size = [], 0, 0
+  members, L = [], 0
   for it in order:
     if members:
       shared = min(L, _common_prefix(members[0][2], it[2], caps[it[1]]))
@@ -158,10 +158,10 @@ def _prefix_units(items, row_len: int, min_shared: int) -> list[tuple[list, int]
       new_size = shared + sum(m[0] - shared for m in members) + it[0] - shared
       if shared >= min_shared and n * shared > (n - 1) * L and new_size <= row_len:
         members.append(it)
-        L, size = shared, new_size
+        L = shared
         continue
       units.append((members, L if len(members) > 1 else 0))
-    members, L, size = [it], caps[it[1]], it[0]
+    members, L = [it], caps[it[1]]
   if members:
     units.append((members, L if len(members) > 1 else 0))
   return units

@@ -300,7 +300,7 @@ class Transformer(nnx.Module):
       segment_ids_BxT: int; tokens attend causally and only within the same segment id.
         0 marks padding (padding attends only to padding, so nothing real ever reads it).
       shared_prefix: static; True when the ids may name shared prefixes, whose suffixes also
-        see their prefix (``rao_jax.kernels.attention.segments_see``; the learner's packing).
+        see their prefix (``rao_jax.kernels.segments``; the learner's packing).
     """
     return self.forward_embeddings(self._embed(tokens_BxT), positions_BxT, segment_ids_BxT,
                                    shared_prefix=shared_prefix)

@@ -14,7 +14,7 @@
 //
 // Query i of row b sees key j iff j <= i and Sees(segment[b, i], segment[b, j]): the same
 // segment, or the shared prefix (id -g) that its suffix (id g * 2^16 + m) continues, as
-// rao_jax/kernels/attention.py's segments_see defines. A query block [a, a + Q) reads keys
+// rao_jax/kernels/segments.py's segments_see defines. A query block [a, a + Q) reads keys
 // [k0, a + Q) only, where k0 is the first position of any segment the block's queries see: the
 // causal upper triangle and the keys of earlier segments are skipped. In a packed row of nodes
 // of ~500 tokens in 4,096, that is most of the lower triangle too. Every query sees itself, so
@@ -34,7 +34,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kQueryBlock = 64;
-constexpr int32_t kSuffixBase = 1 << 16;   // attention.py's SUFFIX_BASE
+constexpr int32_t kSuffixBase = 1 << 16;   // segments.py's SUFFIX_BASE
 
 // The prefix unit a suffix id continues (g > 0), else 0 (plain segments, padding, prefixes).
 inline int32_t PrefixUnit(int32_t si) { return si >= kSuffixBase ? si / kSuffixBase : 0; }
