@@ -34,3 +34,17 @@ def fresh_kernels(monkeypatch):
   yield monkeypatch
   monkeypatch.undo()
   mkl.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+  """An HF folder holding a tiny random model with SmolLM2's architecture and real tokenizer
+  (`ModelConfig.tiny()`): what the Trainer, server and multi-process tests run, in seconds."""
+  from flax import nnx
+  from rao_jax.model import ModelConfig, Transformer, export_hf, resolve_model_path
+  from rao_jax.model.tokenizer import Tokenizer
+  gguf = resolve_model_path("smollm2-135m")
+  cfg = ModelConfig.from_gguf(gguf).tiny()
+  out = str(tmp_path_factory.mktemp("tiny_hf"))
+  export_hf(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, Tokenizer.from_gguf(gguf), out)
+  return out

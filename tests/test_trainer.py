@@ -19,18 +19,6 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-  from flax import nnx
-  from rao_jax.model import ModelConfig, Transformer, export_hf, resolve_model_path
-  from rao_jax.model.tokenizer import Tokenizer
-  gguf = resolve_model_path("smollm2-135m")
-  cfg = ModelConfig.from_gguf(gguf).tiny()
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  out = str(tmp_path_factory.mktemp("tiny_hf"))
-  export_hf(model, cfg, Tokenizer.from_gguf(gguf), out)
-  return out
-
 
 def _config(model_dir, total_steps=2):
   c = textcraft_synth.get_config("recursive,smoke")

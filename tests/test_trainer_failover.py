@@ -69,17 +69,6 @@ class Server:
       self.proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-  from flax import nnx
-  from rao_jax.model import ModelConfig, Transformer, export_hf, resolve_model_path
-  from rao_jax.model.tokenizer import Tokenizer
-  gguf = resolve_model_path("smollm2-135m")
-  cfg = ModelConfig.from_gguf(gguf).tiny()
-  out = str(tmp_path_factory.mktemp("tiny_hf"))
-  export_hf(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, Tokenizer.from_gguf(gguf), out)
-  return out
-
 
 @pytest.fixture(scope="module")
 def server(tiny_hf_dir, tmp_path_factory):

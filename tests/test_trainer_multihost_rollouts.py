@@ -123,17 +123,6 @@ print("RESULT " + json.dumps({"max_diff": max(diffs), "num_trees": len(trees)}),
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-  from flax import nnx
-  from rao_jax.model import ModelConfig, Transformer, export_hf, resolve_model_path
-  from rao_jax.model.tokenizer import Tokenizer
-  gguf = resolve_model_path("smollm2-135m")
-  cfg = ModelConfig.from_gguf(gguf).tiny()
-  out = str(tmp_path_factory.mktemp("tiny_hf"))
-  export_hf(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, Tokenizer.from_gguf(gguf), out)
-  return out
-
 
 def _free_port():
   with socket.socket() as s:

