@@ -9,7 +9,7 @@ import pytest
 from rao_jax import metrics as metrics_lib
 from rao_jax import trainer
 from rao_jax.learner import step as step_lib
-from tests.test_trainer import _config, tiny_hf_dir  # noqa: F401  (the fixture)
+from tests.test_trainer import _config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ class Counting(trainer.Trainer):
     return m
 
 
-def test_no_compilation_inside_steps_after_the_first(tiny_hf_dir, tmp_path):  # noqa: F811
+def test_no_compilation_inside_steps_after_the_first(tiny_hf_dir, tmp_path):
   c = _config(tiny_hf_dir, 3)
   c.eval.every = 0
   c.compile_cache = ""            # the suite's own cache is in the environment; no new one
@@ -60,7 +60,7 @@ def test_no_compilation_inside_steps_after_the_first(tiny_hf_dir, tmp_path):  # 
     assert m["time/rollout_compile_s"] == 0.0 and m["time/learner_compile_s"] == 0.0
 
 
-def test_without_warmup_the_first_step_compiles(tiny_hf_dir, tmp_path):  # noqa: F811
+def test_without_warmup_the_first_step_compiles(tiny_hf_dir, tmp_path):
   # The control: the counters above do see compilation when it happens inside a step.
   c = _config(tiny_hf_dir, 1)
   c.eval.every = 0

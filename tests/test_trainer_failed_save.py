@@ -24,7 +24,7 @@ from rao_jax.learner.checkpoint import is_committed, restore_params
 from rao_jax.learner.testing import init_params, tiny_model_config
 
 # The records test's tiny SmolLM2 and its small run config (one fixture per module).
-from test_trainer_records_once import config, tiny_hf_dir  # noqa: F401  (a fixture)
+from test_trainer_records_once import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_CFG = tiny_model_config()
