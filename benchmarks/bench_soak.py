@@ -139,8 +139,10 @@ def main():
                           stdout=subprocess.DEVNULL)
   if args.refit:
     with open(args.out) as f:
-      rows = json.load(f)["rows"]
-    return report(rows, rows[-1]["step"], args, None)
+      stored = json.load(f)
+    minutes = stored.get("minutes")
+    return report(stored["rows"], stored["rows"][-1]["step"], args,
+                  None if minutes is None else 60 * minutes)
   rows, seen, peak = [], 0, {}
   while proc.poll() is None:
     try:
@@ -181,9 +183,6 @@ def report(rows, seen: int, args, wall_s) -> None:
     result["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),
                          "unknown")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out) if args.refit else open(os.devnull) as f:
-    if args.refit:
-      result["minutes"] = json.load(f).get("minutes")
   with open(args.out, "w") as f:
     json.dump({**result, "rows": rows}, f, indent=1)
   plot(rows, args.skip, os.path.splitext(args.out)[0] + ".png")

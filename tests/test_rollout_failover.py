@@ -3,11 +3,7 @@ model): a killed server is skipped for new requests, its requests in flight fini
 one, and when it is restarted it is re-synced to the client's weights before it gets work; with
 every server gone past the retry timeout the client raises one error naming the URLs."""
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -22,25 +18,9 @@ from rao_jax.rollout import (EngineUnavailableError, FinishReason, GenerateReque
 from rao_jax.rollout.sglang_client import ClientConfig, SGLangEngine
 from rao_jax.testing import tiny_config
 
-ARGS = ["--tiny", "--num-slots", "4", "--max-len", "64", "--min-cache-len", "32",
-        "--chunk-sizes", "16", "--prefill-rows", "2"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start_server(port, cache_dir, weight_root):
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             # The restarted server loads the first ones' compilations.
-             JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  # Weight syncs export under pytest's temporary folders: the server loads from there.
-  return subprocess.Popen([sys.executable, "-m", "rao_jax.rollout.serve", "--port", str(port),
-                           "--weight-roots", weight_root, *ARGS], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+# The tiny server of the HTTP tests, on loopback; a restarted one loads the first ones'
+# compilations (its cache folder), and weight syncs export under pytest's temporary folders.
+from tests.test_rollout_http import free_port, start_server  # noqa: E402
 
 
 def wait_healthy(proc, port, timeout=120):

@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 
-from experiments.configs import textcraft_synth
 from rao_jax import hooks as hooks_lib
 from rao_jax import collection
 from rao_jax import trainer as tr
+from tests import test_trainer
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,21 +80,13 @@ def server(tiny_hf_dir, tmp_path_factory):
 
 
 def _config(model_dir, url, total_steps=2):
-  c = textcraft_synth.get_config("recursive,smoke")
-  c.model.name = model_dir
-  c.total_steps = total_steps
-  c.agent.max_new_tokens = 16
-  c.agent.max_steps_per_agent = 2
-  c.agent.context_window = 1024
-  c.rollout.max_cache_len = 1024
+  # The Trainer tests' tiny run, its rollouts on the server at `url`.
+  c = test_trainer._config(model_dir, total_steps)
   c.rollout.engine = "sglang"
   c.rollout.urls = (url,)
   c.rollout.retry_timeout = 2.0
   c.rollout.health_interval = 0.2
   c.rl.tasks_per_step = 1
-  c.rl.kl_coef = 0.01          # keeps every node in the batch, so the step runs at s = 0
-  c.learner.row_len = 1024
-  c.learner.mesh = "data=2"
   c.warmup = False             # the learner compiles on step 1; nothing else to warm
   c.ckpt.every = 1000          # the only checkpoints: the ones the stop and the end save
   c.eval.every = 0
