@@ -237,8 +237,10 @@ def load_checkpoint(workdir: str, step: int | None = None):
   workdir = os.path.abspath(workdir)
   config = X.load_config(workdir)
   model, tokenizer = X.load_policy(config)
+  from rao_jax.model import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  # With LoRA the checkpoint holds the adapter; the base comes from config.model.name.
   params, step = restore_params(X.learner_config(config, workdir).ckpt_dir,
-                                nnx.state(model, nnx.Param), step)
+                                nnx.state(model, lora_lib.trainable(model.cfg)), step)
   nnx.update(model, params)
   return model, tokenizer, step, config
 

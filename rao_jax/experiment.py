@@ -197,6 +197,7 @@ def load_policy(config):
   host_memory.keep_freed_memory()
   use_compile_cache(config)
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
+  from rao_jax.model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   remat = str(config.model.remat)
   if remat not in ("auto", "none", "dots", "full"):
     raise ValueError(f"config.model.remat={remat!r}: use auto (the memory plan chooses), none, "
@@ -206,10 +207,20 @@ def load_policy(config):
                                      param_dtype="float32",
                                      remat="none" if remat == "auto" else remat,
                                      kernels=config.model.get("kernels", "auto"))
+  # Fresh adapters (B = 0: the loaded model's outputs are unchanged) when model.lora.rank > 0.
+  lora_lib.add_adapters(model, lora_section(config))
   if remat == "auto":
     # The model's shapes are known now; remat is read when the step is traced, later.
     model.cfg = dataclasses.replace(model.cfg, remat=planned_remat(config, model.cfg))
   return model, tokenizer
+
+
+def lora_section(config) -> dict | None:
+  """``config.model.lora`` as a dict (None in a run's config.json written before it existed)."""
+  section = config.model.get("lora")
+  if section is None:
+    return None
+  return section.to_dict() if hasattr(section, "to_dict") else dict(section)
 
 
 def planned_remat(config, model_cfg) -> str:

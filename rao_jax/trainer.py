@@ -245,17 +245,24 @@ class Trainer:
     arrays span every process's devices; the engine runs on this process alone)."""
     if self.num_processes == 1:
       return self.learner.model
-    local = jax.tree.map(
-        lambda x: jax.numpy.asarray(multihost_utils.process_allgather(x, tiled=True)),
-        self.learner.params)
-    return nnx.merge(self.learner.graphdef, local)
+    gather = lambda t: jax.tree.map(
+        lambda x: jax.numpy.asarray(multihost_utils.process_allgather(x, tiled=True)), t)
+    if self.learner.lora:
+      return nnx.merge(self.learner.graphdef, gather(self.learner.params),
+                       gather(self.learner.frozen))
+    return nnx.merge(self.learner.graphdef, gather(self.learner.params))
 
   async def sync_weights(self, version: int) -> float:
     """The engine serves the learner's current weights as `version` once this returns (it
-    copies or exports them, see `Engine.update_weights`); returns the seconds it took."""
+    copies or exports them, see `Engine.update_weights`); returns the seconds it took. With
+    LoRA only the adapter changes, and engines that can take it alone do
+    (`Engine.update_adapter`)."""
     t0 = time.perf_counter()
     try:
-      await self.engine.update_weights(self._local_model(), version)
+      if self.learner.lora:   # the engines hold the base since they started
+        await self.engine.update_adapter(self._local_model(), version)
+      else:
+        await self.engine.update_weights(self._local_model(), version)
     except EngineFailedError as e:   # e.g. it stopped while a judge used it
       raise self._engine_failed(str(e), version, f"the weight sync after step {version}") from e
     return time.perf_counter() - t0

@@ -36,6 +36,13 @@ def base_config() -> config_dict.ConfigDict:
                                      # recompute the memory plan fits) | none | dots | full
   c.model.kernels = "auto"           # CPU products and attention: auto (MKL on Intel CPUs) |
                                      # mkl (any x86 CPU) | xla (ModelConfig.kernels)
+  # LoRA adapters (rao_jax.model.lora): rank 0 trains every parameter (full fine-tuning); rank
+  # r > 0 trains an adapter of rank r on the targets and freezes the base model.
+  c.model.lora = config_dict.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 32.0          # the update is alpha / rank * A B
+  c.model.lora.targets = "q,k,v,o,gate,up,down"
+  c.model.lora.dropout = 0.0
 
   c.env = config_dict.ConfigDict()
   c.env.name = "textcraft_synth"     # textcraft | textcraft_synth | longcontext | search

@@ -26,6 +26,7 @@ from rao_jax.learner import losses as losses_lib
 from rao_jax.learner.config import LearnerConfig
 from rao_jax.learner.packing import PackedBatch, pack_trees
 from rao_jax.learner.rewards import Advantages, compute_rewards_and_advantages
+from rao_jax.model import lora as lora_lib
 from rao_jax.model import sharding as sharding_lib
 from rao_jax.model.transformer import Transformer, token_logprob_sum, token_logprobs
 
@@ -57,12 +58,16 @@ class TrainState:
     opt_state: the Optax state.
     rng: uint32[2] base key; the step key is fold_in(rng, step).
     ref_params: the reference policy's parameters for the KL penalty (None when it is off).
+    frozen: with LoRA (``model_cfg.lora.rank > 0``) the base model's parameters, which the step
+      reads and never updates (``params`` is then the adapter alone); None without LoRA.
+      Checkpoints leave it out: they keep the adapter and a fingerprint of this base.
   """
   step: jax.Array
   params: Any
   opt_state: Any
   rng: jax.Array
   ref_params: Any = None
+  frozen: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,22 +117,25 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
-def _forward(graphdef, params, mb, cfg: LearnerConfig):
-  model = nnx.merge(graphdef, params)
+def _forward(graphdef, params, mb, cfg: LearnerConfig, frozen=None, dropout=True):
+  # With LoRA the trained adapter and the frozen base make the model together (the split's
+  # order: nnx.LoRAParam, then nnx.Param).
+  model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
   return model, model(mb["tokens_BxT"], mb["positions_BxT"], mb["segment_ids_BxT"],
-                      shared_prefix=cfg.shared_prefix_tokens() > 0)
+                      shared_prefix=cfg.shared_prefix_tokens() > 0,
+                      lora_key=mb.get("rng") if dropout else None)
 
 
-def _logprobs(graphdef, params, mb, cfg: LearnerConfig):
+def _logprobs(graphdef, params, mb, cfg: LearnerConfig, frozen=None, dropout=True):
   # Log-probs of the loss positions only (0 elsewhere): the LM head skips the prompts.
   temperature = cfg.temperature
-  model, hidden_BxTxD = _forward(graphdef, params, mb, cfg)
+  model, hidden_BxTxD = _forward(graphdef, params, mb, cfg, frozen, dropout)
   return token_logprobs(model, hidden_BxTxD, mb["targets_BxT"], temperature=temperature,
                         mask_BxT=mb["loss_mask_BxT"])
 
 
 def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer, graphdef,
-                     cfg: LearnerConfig):
+                     cfg: LearnerConfig, frozen=None):
   """The loss of one micro-batch (its share of the full-batch loss) and summed diagnostics.
 
   Args:
@@ -137,6 +145,7 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
     normalizer: the full batch's normalizer (N nodes or the constant C).
     graphdef: the model's nnx GraphDef.
     cfg: the LearnerConfig.
+    frozen: the frozen base parameters with LoRA (``params`` is then the adapter), else None.
 
   Returns:
     (loss, aux): loss = (sum of per-token terms) / normalizer; aux holds sums over the
@@ -147,13 +156,13 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
   if spec.linear and cfg.kl_coef <= 0:
     # -sum(coef * logp) with the LM head's gradient computed in the forward pass (no logits
     # recomputed in the backward). The KL term needs logp's own gradient: generic path then.
-    model, hidden_BxTxD = _forward(graphdef, params, mb, cfg)
+    model, hidden_BxTxD = _forward(graphdef, params, mb, cfg, frozen)
     pg_sum, logp_BxT = token_logprob_sum(
         model, hidden_BxTxD, mb["targets_BxT"], jnp.where(mask, -mb["coef_BxT"], 0.0),
         temperature=cfg.temperature, mask_BxT=mask)
     aux = {}
   else:
-    logp_BxT = _logprobs(graphdef, params, mb, cfg)
+    logp_BxT = _logprobs(graphdef, params, mb, cfg, frozen)
     pg_sum, aux = spec.fn(logp_BxT, mb, cfg)
   aux = dict(aux)
   aux["pg_loss"] = pg_sum / normalizer
@@ -163,19 +172,23 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
   aux["loss_tokens"] = jnp.sum(mask.astype(jnp.float32))
   total = pg_sum
   if cfg.kl_coef > 0:
-    ref_logp = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, mb, cfg))
+    ref_logp = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, mb, cfg, frozen,
+                                                 dropout=False))
     kl_sum = losses_lib.kl_penalty(logp_BxT, ref_logp, mb)
     aux["kl"] = kl_sum / normalizer
     total = total + cfg.kl_coef * kl_sum
   return total / normalizer, aux
 
 
-def loss_and_grads(params, ref_params, batch: Mapping[str, jax.Array], statics: StepStatics):
+def loss_and_grads(params, ref_params, batch: Mapping[str, jax.Array], statics: StepStatics,
+                   frozen=None):
   """Loss, gradient and diagnostics of a full batch, accumulated over micro-batches.
 
   The B rows are split into M = B / cfg.micro_batch_rows micro-batches (row r goes to micro-batch
   r mod M, so with rows sharded in contiguous blocks over the data axes every device keeps its
   own rows: no resharding). `lax.scan` sums the per-micro-batch gradients in float32.
+  With LoRA, ``params`` is the adapter and ``frozen`` the base: only the adapter is
+  differentiated.
   """
   cfg = statics.cfg
   M = batch["tokens_BxT"].shape[0] // cfg.micro_batch_rows
@@ -197,12 +210,12 @@ def loss_and_grads(params, ref_params, batch: Mapping[str, jax.Array], statics: 
   # The aux structure depends on the loss; get it abstractly, then start from zeros.
   first = jax.tree.map(lambda x: x[0], micro)
   aux_shape = jax.eval_shape(lambda: micro_batch_loss(
-      params, ref_params, first, normalizer, statics.graphdef, cfg)[1])
+      params, ref_params, first, normalizer, statics.graphdef, cfg, frozen)[1])
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
   def compute(carry, mb):
     g_acc, l_acc, a_acc = carry
-    (loss, aux), g = grad_fn(params, ref_params, mb, normalizer, statics.graphdef, cfg)
+    (loss, aux), g = grad_fn(params, ref_params, mb, normalizer, statics.graphdef, cfg, frozen)
     g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
     return g_acc, l_acc + loss, jax.tree.map(jnp.add, a_acc, aux)
 
@@ -231,15 +244,18 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], statics: StepS
   # read batch["rng"]; the registered ones are deterministic).
   batch = dict(batch)
   batch["rng"] = jax.random.fold_in(state.rng, state.step)
-  loss, grads, aux = loss_and_grads(state.params, state.ref_params, batch, statics)
+  loss, grads, aux = loss_and_grads(state.params, state.ref_params, batch, statics, state.frozen)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
   grad_norm = optax.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt)
-  # Refuse a non-finite update on device: the outputs are the inputs, bit for bit.
-  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+  new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt,
+                            frozen=None)
+  # Refuse a non-finite update on device: the outputs are the inputs, bit for bit. (The frozen
+  # base passes through untouched: a select over it would copy the whole model each step.)
+  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state,
+                           state.replace(frozen=None)).replace(frozen=state.frozen)
   n_tok = jnp.maximum(aux["loss_tokens"], 1.0)
   metrics = {
       "loss": loss,
@@ -315,21 +331,25 @@ class Learner:
           f"data x fsdp = {n_data} devices (each device holds whole rows of every micro-batch).")
     self._spec = losses_lib.get_loss(cfg.loss)
 
+    self.lora = bool(getattr(model_cfg, "lora", None) and model_cfg.lora.enabled)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)))
-    self.graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    # With LoRA the adapter (nnx.LoRAParam) is trained and the rest (nnx.Param) is frozen.
+    filters = (nnx.LoRAParam, nnx.Param) if self.lora else (nnx.Param,)
+    self.graphdef, *abstract_parts, rest = nnx.split(abstract_model, *filters, ...)
+    abstract_params = abstract_parts[0]
     if jax.tree.leaves(rest):
       raise ValueError("Learner: the model holds non-parameter state "
                        f"({list(rest.flat_state())[:3]}...); the learner trains nnx.Param only.")
     optimizer = make_optimizer(cfg)
 
-    def make_state(p):
+    def make_state(p, frozen=None):
       return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
                         rng=jax.random.PRNGKey(cfg.seed),
-                        ref_params=p if cfg.kl_coef > 0 else None)
+                        ref_params=p if cfg.kl_coef > 0 else None, frozen=frozen)
 
     def init_random():
       model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
-      return make_state(nnx.split(model, nnx.Param, ...)[1])
+      return make_state(*nnx.split(model, *filters, ...)[1:-1])
 
     # State is created already sharded: abstract shapes -> shardings -> jit(init, out_shardings).
     abstract_state = jax.eval_shape(init_random)
@@ -343,14 +363,19 @@ class Learner:
       master = jnp.dtype(cfg.master_dtype)
       params = jax.tree.map(
           lambda x: x.astype(master) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+      parts = self._split_params(params, abstract_parts)
       sig = lambda t: [(tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]
-      if (jax.tree.structure(params) != jax.tree.structure(abstract_params)
-          or sig(params) != sig(abstract_params)):
-        raise ValueError(
-            "Learner: `params` do not match model_cfg (structure, shapes or dtypes differ); "
-            "pass the nnx.Param state of a Transformer built from the same ModelConfig.")
-      params = jax.device_put(params, self._state_shardings.params)
-      self.state = jax.jit(make_state, out_shardings=self._state_shardings)(params)
+      for part, abstract in zip(parts, abstract_parts):
+        if (jax.tree.structure(part) != jax.tree.structure(abstract)
+            or sig(part) != sig(abstract)):
+          raise ValueError(
+              "Learner: `params` do not match model_cfg (structure, shapes or dtypes differ); "
+              "pass the nnx.Param state of a Transformer built from the same ModelConfig.")
+      targets = (self._state_shardings.params, self._state_shardings.frozen)[:len(parts)]
+      parts = [jax.device_put(p, t) for p, t in zip(parts, targets)]
+      self.state = jax.jit(make_state, out_shardings=self._state_shardings)(*parts)
+    # The reference an adapter checkpoint keeps to the base it was trained on.
+    self._base_fingerprint = lora_lib.fingerprint(self.state.frozen) if self.lora else None
 
     self._batch_shardings = {k: sharding_lib.batch_sharding(self.mesh, 2) for k in BATCH_KEYS_2D}
     self._batch_shardings["normalizer"] = sharding_lib.replicated(self.mesh)
@@ -370,6 +395,19 @@ class Learner:
     self._step_fn = _JITTED_STEPS[key]
     self._ckpt = None
     self._old_ckpt_failures = []
+
+  def _split_params(self, params, abstract_parts) -> list:
+    """[params] without LoRA; [adapter, base] with it. A state without adapter leaves (a base
+    model's) gets the fresh adapter a Transformer of this config starts with (B = 0)."""
+    if not self.lora:
+      return [params]
+    if not isinstance(params, nnx.State):
+      raise TypeError("Learner: with LoRA pass `params` as an nnx Module or nnx.State.")
+    adapter, base = nnx.split_state(params, nnx.LoRAParam, ...)
+    if not jax.tree.leaves(adapter):
+      adapter = nnx.State({"lora": nnx.state(lora_lib.LoraAdapters(self.model_cfg),
+                                             nnx.LoRAParam)})
+    return [adapter, base]
 
   # ---- data -----------------------------------------------------------------------------------
   @staticmethod
@@ -473,12 +511,20 @@ class Learner:
   # ---- weights for the rollout engine ---------------------------------------------------------
   @property
   def params(self):
-    """The current nnx.Param state (sharded); valid until the next `step`."""
+    """The trained nnx.Param state (sharded; with LoRA the adapter alone, its nnx.LoRAParam
+    leaves); valid until the next `step`."""
     return self.state.params
+
+  @property
+  def frozen(self):
+    """With LoRA the frozen base parameters, else None."""
+    return self.state.frozen
 
   @property
   def model(self) -> Transformer:
     """An nnx Transformer over the current parameters; valid until the next `step`."""
+    if self.lora:
+      return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
     return nnx.merge(self.graphdef, self.state.params)
 
   @property
@@ -526,7 +572,9 @@ class Learner:
     if not force and step % self.cfg.ckpt_every:
       return False
     meta = dict(self.config_json(), extra=json_safe(dict(extra or {})))
-    return self._checkpointer().save(step, self.state, meta)
+    if self.lora:   # the adapter and its optimizer; the base is referenced, not stored
+      meta["base_fingerprint"] = self._base_fingerprint
+    return self._checkpointer().save(step, self.state.replace(frozen=None), meta)
 
   def maybe_save(self, step: int | None = None, extra: Mapping[str, Any] | None = None) -> bool:
     """`save` every cfg.ckpt_every steps."""
@@ -538,7 +586,14 @@ class Learner:
     Returns the saved `extra` dict. Raises FileNotFoundError when there is no checkpoint.
     """
     ckpt = self._checkpointer(directory)
-    self.state, meta = ckpt.restore(step, self.state)
+    state, meta = ckpt.restore(step, self.state.replace(frozen=None))
+    saved_base = meta.get("base_fingerprint")
+    if self.lora and saved_base is not None and saved_base != self._base_fingerprint:
+      raise ValueError(
+          f"Learner.restore: the adapter in {ckpt.directory!r} was trained on another base model "
+          f"(fingerprint {saved_base}, this learner's base is {self._base_fingerprint}); load "
+          "the base model the run used (config.model.name) before restoring.")
+    self.state = state.replace(frozen=self.state.frozen)
     return dict(meta.get("extra", {}))
 
   def latest_checkpoint_step(self, directory: str | None = None) -> int | None:

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rao_jax.model.lora import LoraConfig
+from rao_jax.model.lora import from_dict as lora_from_dict
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots")
@@ -109,6 +112,7 @@ class ModelConfig:
       built) or "xla" (XLA's own). Static like every field here: jit caches keep one trace per
       value. GPU and TPU lowerings take their own kernels whatever it says (rao_jax.kernels).
     bos_token_id, eos_token_id, pad_token_id: ids written to an exported ``config.json``.
+    lora: the LoRA adapters' shape (``rao_jax.model.lora.LoraConfig``; rank 0 = none).
   """
   vocab_size: int
   d_model: int
@@ -137,8 +141,11 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
+    # A saved config (JSON) holds the adapter section as a dict.
+    object.__setattr__(self, "lora", lora_from_dict(self.lora))
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "mlp_dim", "max_seq_len", "logits_chunk", "attention_block"):
       value = getattr(self, name)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from rao_jax.kernels import attention
 from rao_jax.kernels.matmul import dense
+from rao_jax.model import lora as lora_lib
 from rao_jax.model.config import ModelConfig, rope_inv_freq
 
 Cache = dict[str, list]   # {"k": L x [B, K, h, S], "v": L x [B, K, S, h]}
@@ -158,6 +159,10 @@ def _qkv(cfg: ModelConfig, p, w_qkv, x_BxTxD, cos, sin):
   q = qkv[:, :H * h].reshape(B, T, H, h)
   k = qkv[:, H * h:(H + K) * h].reshape(B, T, K, h)
   v = qkv[:, (H + K) * h:].reshape(B, T, K, h)
+  if "lora_q_a" in p or "lora_k_a" in p or "lora_v_a" in p:
+    y_NxD = y.reshape(B * T, D)
+    q, k, v = (x + _lora(cfg, p, y_NxD, t, 0).reshape(x.shape) if f"lora_{t}_a" in p else x
+               for x, t in ((q, "q"), (k, "k"), (v, "v")))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if cfg.qk_norm:
@@ -208,15 +213,47 @@ def _mlp_bwd(kernels, res, d_out_BxTxD):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+def _lora(cfg: ModelConfig, p, x_NxI, target: str, salt: int):
+  """The adapter's share of projection ``target`` (``rao_jax.model.lora``), with dropout on
+  its input when the layer's params carry a dropout key ("lora_key", training only)."""
+  keep = None
+  if "lora_key" in p:
+    rate = cfg.lora.dropout
+    key = jax.random.fold_in(p["lora_key"], salt)
+    keep = jax.random.bernoulli(key, 1.0 - rate, x_NxI.shape).astype(x_NxI.dtype) / (1 - rate)
+  return lora_lib.project(x_NxI, p, target, cfg.lora.scale, cfg.jnp_dtype, keep)
+
+
+def _mlp_lora(cfg: ModelConfig, p, y_BxTxD):
+  """The SwiGLU MLP with adapters on some of its projections, by autodiff. The base weights
+  are frozen here, so the hand-written backward of ``_mlp`` (which exists for the weight
+  gradients' layout) has nothing to save."""
+  dt = cfg.jnp_dtype
+  B, T, D = y_BxTxD.shape
+  y = y_BxTxD.reshape(B * T, D)
+  mm = functools.partial(dense, kernels=cfg.kernels)
+
+  def proj(x, name, target, salt):
+    out = mm(x, p[name].astype(dt))
+    return out + _lora(cfg, p, x, target, salt) if f"lora_{target}_a" in p else out
+  a = jax.nn.silu(proj(y, "w_gate", "gate", 4)) * proj(y, "w_up", "up", 5)
+  return proj(a, "w_down", "down", 6).reshape(B, T, D)
+
+
 def _post_attention(cfg: ModelConfig, p, x_BxTxD, attn_BxTxHxh):
   dt = cfg.jnp_dtype
   B, T, H, h = attn_BxTxHxh.shape
-  o = dense(attn_BxTxHxh.reshape(B * T, H * h), p["wo"].astype(dt).reshape(H * h, -1),
-            kernels=cfg.kernels).reshape(B, T, -1)
+  a_NxHh = attn_BxTxHxh.reshape(B * T, H * h)
+  o = dense(a_NxHh, p["wo"].astype(dt).reshape(H * h, -1), kernels=cfg.kernels)
+  if "lora_o_a" in p:
+    o = o + _lora(cfg, p, a_NxHh, "o", 3)
+  o = o.reshape(B, T, -1)
   if cfg.o_bias:
     o = o + p["bo"].astype(dt)
   x = x_BxTxD + o
   y = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+  if any(f"lora_{t}_a" in p for t in ("gate", "up", "down")):
+    return x + _mlp_lora(cfg, p, y)
   return x + _mlp(y, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt),
                   cfg.kernels)
 
@@ -263,6 +300,9 @@ class Transformer(nnx.Module):
     self.embed = _param((normals["embed"] * 0.02).astype(pdt), ("vocab", "embed"))
     self.layers = Layers(cfg, normals)
     self.final_norm = _param(jnp.ones((cfg.d_model,), pdt), ("norm",))
+    if cfg.lora.enabled:
+      # nnx.LoRAParam leaves: what a learner trains when LoRA is on (the rest stays frozen).
+      self.lora = lora_lib.LoraAdapters(cfg)
     if not cfg.tie_embeddings:
       self.lm_head = _param((normals["lm_head"] * cfg.d_model ** -0.5).astype(pdt),
                             ("vocab", "embed"))
@@ -275,9 +315,12 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BxT):
     return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.jnp_dtype)
 
-  def _run_layers(self, x, layer_fn, xs_extra=None):
+  def _run_layers(self, x, layer_fn, xs_extra=None, lora_key=None):
     """Applies ``layer_fn(params_of_one_layer, x, extra) -> (x, y)`` over the L layers."""
-    params = self.layers.arrays()
+    params = self._layer_arrays()
+    if lora_key is not None and self.cfg.lora.enabled and self.cfg.lora.dropout > 0:
+      # One dropout key per layer, read by the adapters (training forward only).
+      params["lora_key"] = jax.random.split(lora_key, self.cfg.n_layers)
     if self.cfg.scan_layers:
       return jax.lax.scan(lambda c, a: layer_fn(a[0], c, a[1]), x, (params, xs_extra))
     ys = []
@@ -290,8 +333,16 @@ class Transformer(nnx.Module):
       return x, None
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
+  def _layer_arrays(self) -> dict[str, jax.Array]:
+    """The stacked per-layer arrays, with the adapter's ("lora_*") when LoRA is on."""
+    params = self.layers.arrays()
+    if self.cfg.lora.enabled:
+      params.update(self.lora.arrays())
+    return params
+
   # ---- 1) full forward over packed rows -------------------------------------------------------
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, *, shared_prefix=False):
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, *, shared_prefix=False,
+               lora_key=None):
     """Final-normed hidden states [B, T, D] (dtype cfg.dtype) of packed rows.
 
     Args:
@@ -301,17 +352,21 @@ class Transformer(nnx.Module):
         0 marks padding (padding attends only to padding, so nothing real ever reads it).
       shared_prefix: static; True when the ids may name shared prefixes, whose suffixes also
         see their prefix (``rao_jax.kernels.segments``; the learner's packing).
+      lora_key: a PRNG key for the adapters' dropout (``model.lora.dropout`` > 0, training);
+        None: no dropout.
     """
     return self.forward_embeddings(self._embed(tokens_BxT), positions_BxT, segment_ids_BxT,
-                                   shared_prefix=shared_prefix)
+                                   shared_prefix=shared_prefix, lora_key=lora_key)
 
-  def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT, *, shared_prefix=False):
+  def forward_embeddings(self, x_BxTxD, positions_BxT, segment_ids_BxT, *, shared_prefix=False,
+                         lora_key=None):
     """As ``__call__`` but from input embeddings [B, T, D] instead of token ids."""
     cfg = self.cfg
     cos, sin = rope_cos_sin(cfg, positions_BxT)
     attend = _self_attention(cfg, segment_ids_BxT, shared_prefix)
     block = _remat(cfg, lambda p, x: _block(cfg, p, x, cos, sin, attend))
-    x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype), lambda p, x, _: (block(p, x), None))
+    x, _ = self._run_layers(x_BxTxD.astype(cfg.jnp_dtype), lambda p, x, _: (block(p, x), None),
+                            lora_key=lora_key)
     return rms_norm(x, self.final_norm[...], cfg.rms_eps)
 
   def logits(self, hidden_BxTxD):
@@ -349,6 +404,8 @@ class Transformer(nnx.Module):
     dt = self.cfg.jnp_dtype
     own = lambda x: x if x.dtype == dt else x.astype(dt)
     stacked = self.layers.arrays()
+    if self.cfg.lora.enabled:   # merged once here: a decode step pays nothing for the adapter
+      stacked = lora_lib.merged_layer_arrays(self.cfg, stacked, self.lora.arrays())
     layers = []
     for i in range(self.cfg.n_layers):
       p = {k: own(v[i]) for k, v in stacked.items()}

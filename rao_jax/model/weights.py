@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from rao_jax.model import gguf_file
+from rao_jax.model import lora as lora_lib
 from rao_jax.model.config import ModelConfig, UnsupportedModelError
 from rao_jax.model.gguf_file import INSTALL_HINT, WeightFileError
 from rao_jax.model.transformer import Transformer, layer_param_shapes
@@ -178,7 +179,8 @@ def model_from_params(cfg: ModelConfig, params: Mapping[str, Any]) -> Transforme
 
 
 def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
-  """The model's parameters as HF-named numpy arrays (HF [out, in] layouts)."""
+  """The model's parameters as HF-named numpy arrays (HF [out, in] layouts); a LoRA model's
+  with its adapter merged into them."""
   cfg = model.cfg
   if dtype is None:
     dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(cfg.param_dtype,
@@ -192,7 +194,10 @@ def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
          "model.norm.weight": host(model.final_norm[...])}
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = host(model.lm_head[...])
-  for name, value in model.layers.arrays().items():
+  stacked = model.layers.arrays()
+  if cfg.lora.enabled:   # the policy's weights: the adapter merged in (W + alpha / r A B)
+    stacked = lora_lib.merged_layer_arrays(cfg, stacked, model.lora.arrays())
+  for name, value in stacked.items():
     value = host(value)
     for i in range(cfg.n_layers):
       out[_hf_layer_names(i)[name]] = np.ascontiguousarray(_ours_to_hf(name, value[i], cfg))

@@ -193,6 +193,21 @@ class Engine(abc.ABC):
       version: the new weight version (the trainer passes the step).
     """
 
+  async def update_adapter(self, model, version: int | str) -> None:
+    """``update_weights`` for a policy whose LoRA adapter alone changed since the last sync.
+
+    Engines that take an adapter by itself do so: the embedded engine merges it into its own
+    copy of the base weights, the SGLang client writes it in PEFT's format and has every
+    server load it (``/load_lora_adapter``). Any KV cached under an older adapter is dropped.
+    This default sends the whole model (``update_weights``).
+
+    Args:
+      model: the policy with its adapter (``model.cfg.lora.rank > 0``); its base must be the
+        one the engine holds (built with, or last given by ``update_weights``).
+      version: the new weight version.
+    """
+    await self.update_weights(model, version)
+
   @property
   @abc.abstractmethod
   def weight_version(self) -> int | str:

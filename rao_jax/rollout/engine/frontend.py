@@ -61,6 +61,13 @@ class EmbeddedEngine(Engine):
     self._graphdef, state = nnx.split(model)
     self._state_tree = jax.tree.structure(state)
     self._abstract_state = jax.eval_shape(lambda: state)
+    # With a LoRA model the engine keeps its own copy of the base weights, so that a sync can
+    # send the adapter alone (update_adapter) and be merged here.
+    lora = getattr(getattr(model, "cfg", None), "lora", None)
+    self._lora = lora if lora is not None and lora.enabled else None
+    self._base = None
+    if self._lora is not None:
+      self._abstract_adapter = nnx.split_state(self._abstract_state, nnx.LoRAParam, ...)[0]
     # The engine runs on one device: the first of those the model's weights are on. New weights
     # come here too: arriving sharded on the learner's mesh, they would make every program's
     # outputs (the KV cache) mesh-sharded, and each program compile again for those inputs.
@@ -232,6 +239,24 @@ class EmbeddedEngine(Engine):
       version: the weight version recorded on results from now on.
     """
     params = await asyncio.to_thread(self._as_params, model)
+    await asyncio.wrap_future(self._swap(params, version))
+
+  async def update_adapter(self, model, version: int | str) -> None:
+    """Serves ``model``'s LoRA adapter over the base the engine holds (``Engine.update_adapter``).
+
+    Only the adapter's arrays are copied in; the engine merges them into its own copy of the
+    base (W + alpha / r A B) once, so decode steps cost what they cost without an adapter
+    (``benchmarks/bench_lora.py`` measures merged against applied-per-step). KV kept from
+    older weights is dropped, as with any weight update.
+
+    Args:
+      model: the policy with its adapter (a Module), or the adapter's nnx.State
+        (``nnx.state(model, nnx.LoRAParam)``).
+      version: the weight version recorded on results from now on.
+    """
+    if isinstance(model, nnx.Module) and not model.cfg.lora.enabled:
+      return await self.update_weights(model, version)
+    params = await asyncio.to_thread(self._adapter_params, model)
     await asyncio.wrap_future(self._swap(params, version))
 
   def load_weights(self, params_or_model, version: int | str, *, wait: bool = True,
@@ -429,7 +454,31 @@ class EmbeddedEngine(Engine):
       moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
       return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
     state = jax.tree.map(own, state, self._abstract_state)
+    if self._lora is not None:
+      self._base = nnx.split_state(state, nnx.LoRAParam, ...)[1]
     return nnx.merge(self._graphdef, state).inference_params()
+
+  def _adapter_params(self, x):
+    """A new LoRA adapter (Module or its nnx.LoRAParam state) -> inference params with it
+    merged into the engine's own base copy."""
+    if self._lora is None or self._base is None:
+      raise ValueError("update_adapter: this engine's model has no LoRA adapter "
+                       "(model.cfg.lora.rank is 0); build the engine from the adapted model, or "
+                       "send the whole model with update_weights.")
+    adapter = nnx.state(x, nnx.LoRAParam) if isinstance(x, nnx.Module) else x
+    if jax.tree.structure(adapter) != jax.tree.structure(self._abstract_adapter):
+      raise ValueError("update_adapter: the adapter's structure differs from the engine's "
+                       f"(model.lora={self._lora}); pass nnx.state(model, nnx.LoRAParam) of a "
+                       "model with the same model.lora.")
+
+    def own(new, old):
+      if new.shape != old.shape:
+        raise ValueError(f"update_adapter: an adapter array has shape {new.shape}, the "
+                         f"engine's has {old.shape}; the model.lora ranks or targets differ.")
+      moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
+      return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
+    adapter = jax.tree.map(own, adapter, self._abstract_adapter)
+    return nnx.merge(self._graphdef, adapter, self._base).inference_params()
 
   # ---- scheduler thread -----------------------------------------------------------------------
   def _run(self):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from rao_jax.learner.checkpoint import restore_params
 from rao_jax.model import ModelConfig, Transformer, load_pretrained
+from rao_jax.model import lora as lora_lib
 from rao_jax.model.tokenizer import Tokenizer
 from rao_jax.model.weights import load_model, resolve_model_path
 
@@ -46,6 +47,12 @@ def run_model_name(workdir: str) -> tuple[str, str]:
   return model["name"], str(model.get("dtype") or "auto")
 
 
+def run_lora(workdir: str) -> dict | None:
+  """A run's ``config.model.lora`` section (None when its config has none)."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    return (json.load(f).get("model") or {}).get("lora")
+
+
 def load_run_checkpoint(workdir: str, step: int | None = None, dtype: Any = None):
   """(model, tokenizer, step) of a training run's checkpoint ``step`` (default: the newest).
 
@@ -66,8 +73,10 @@ def load_run_checkpoint(workdir: str, step: int | None = None, dtype: Any = None
   if dtype is None and run_dtype != "auto":
     dtype = run_dtype
   model, tokenizer = load_pretrained(name, dtype=dtype)
+  # A LoRA run's checkpoint holds the adapter only: the base is the run's model.name.
+  lora_lib.add_adapters(model, run_lora(workdir))
   params, step = restore_params(os.path.join(workdir, "checkpoints"),
-                                nnx.state(model, nnx.Param), step)
+                                nnx.state(model, lora_lib.trainable(model.cfg)), step)
   nnx.update(model, params)
   return model, tokenizer, step
 
