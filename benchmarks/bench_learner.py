@@ -14,6 +14,10 @@ both; `ours_spread` is the largest deviation of one of our steady steps from the
 the (query, key) pairs inside each packed segment (bench_peak.model_flops), over the best float32
 GEMM that benchmarks/bench_peak.py measured on this CPU.
 
+`--lora=R`: our full fine-tuning step against a rank-R LoRA adapter on the same rows: step time
+(alternating rounds) and peak memory (XLA's analysis of each compiled step, and the memory plan's
+estimate); `benchmarks/bench_lora.py` runs it beside the engine's merged-vs-applied decode.
+
 `--mfu` (GPU): model FLOPs utilisation of the learner step for a ~1B Llama configuration at
 sequence 4096 in bfloat16 (float32 master weights). This session had no GPU, so that mode was
 only exercised here with `--mfu --mfu_smoke` (a shrunken config on CPU) for correctness.
@@ -334,12 +338,19 @@ def main():
   p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
   p.add_argument("--peak_tflops", type=float, default=989.0,
                  help="dense bf16 peak of the device (H100/H200 SXM: 989)")
+  p.add_argument("--lora", type=int, default=0,
+                 help="> 0: our full fine-tuning step against a LoRA adapter of this rank on "
+                      "the same rows (time and peak memory; benchmarks/bench_lora.py)")
   args = p.parse_args()
   if args.rows is None:
     args.rows = 8 if args.mfu else 2
   if args.quick:
     args.rows, args.repeats, args.rounds = (args.micro_rows if args.mfu else 1), 2, 1
-  if args.mfu:
+  if args.lora:
+    import bench_lora   # noqa: E402  (this folder's)
+    args.rank, args.row_len = args.lora, 1024
+    result = {"bench": "learner_lora", **bench_lora.learner_part(args)}
+  elif args.mfu:
     result = run_mfu(args)
   else:
     result = run_default(args)

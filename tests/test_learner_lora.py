@@ -178,3 +178,16 @@ def test_lora_checkpoint_holds_the_adapter_and_refuses_another_base(tmp_path):
     stranger.restore()
   for l in (learner, resumed, stranger):
     l.close()
+
+
+def test_memory_plan_counts_moments_and_gradients_of_the_adapter_only():
+  from rao_jax.learner import memory
+  cfg = tiny_model_config()
+  lcfg_ = dataclasses.replace(cfg, lora=lora_lib.LoraConfig(rank=4))
+  full, lora = memory.estimate(cfg, 64, 2, "none"), memory.estimate(lcfg_, 64, 2, "none")
+  n_adapter = memory.n_adapter_params(lcfg_)
+  model = lora_lib.add_adapters(Transformer(cfg, rngs=nnx.Rngs(0)), {"rank": 4})
+  assert n_adapter == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  assert lora["optimizer"] == 2 * n_adapter * 4 < full["optimizer"]
+  assert lora["gradients"] < full["gradients"]
+  assert lora["params"] > full["params"]   # the base plus the adapter

@@ -39,6 +39,14 @@ def n_params(cfg: ModelConfig) -> tuple[int, int]:
   return cfg.vocab_size * cfg.d_model + head + cfg.d_model + cfg.n_layers * per_layer, per_layer
 
 
+def n_adapter_params(cfg: ModelConfig) -> int:
+  """Parameters of the LoRA adapter (``cfg.lora``; 0 without one)."""
+  if not cfg.lora.enabled:
+    return 0
+  from rao_jax.model.lora import io_dims  # pylint: disable=g-import-not-at-top
+  return cfg.n_layers * cfg.lora.rank * sum(sum(io_dims(cfg, t)) for t in cfg.lora.targets)
+
+
 def estimate(cfg: ModelConfig, T: int, rows: int, remat: str, *, shards: int = 1,
              tensor: int = 1, act_dtype: str | None = None) -> dict[str, float]:
   """Per-device bytes of one train step.
@@ -57,7 +65,8 @@ def estimate(cfg: ModelConfig, T: int, rows: int, remat: str, *, shards: int = 1
   backward pass keeps per layer (remat "full": the block input; "dots": the outputs of the
   products; "none": every intermediate), one layer's working set in the backward pass, one copy
   of a layer's gathered weights, and the LM head's [chunk, V / tensor] float32 logits. The
-  attention kernels keep O(T) per head.
+  attention kernels keep O(T) per head. With a LoRA adapter (``cfg.lora``) moments and gradients
+  exist for the adapter alone; the frozen base is stored once.
   """
   if remat not in REMATS:
     raise ValueError(f"remat={remat!r}; use one of {', '.join(REMATS)}.")
@@ -78,10 +87,11 @@ def estimate(cfg: ModelConfig, T: int, rows: int, remat: str, *, shards: int = 1
   working_per_token = (2 * qkv + 2 * attn + 6 * F) * a + 4 * D * f32
   lse = cfg.n_heads // tensor * f32 * 2
   logits = min(cfg.logits_chunk, tok) * V // tensor * f32 * 3
+  trained = n_adapter_params(cfg) or P
   out = {
-      "params": P * f32 / shards,
-      "optimizer": 2 * P * f32 / shards,
-      "gradients": 2 * P * f32 / shards,
+      "params": (P + (trained if cfg.lora.enabled else 0)) * f32 / shards,
+      "optimizer": 2 * trained * f32 / shards,
+      "gradients": 2 * trained * f32 / shards,
       "weights_layer": 2 * P_layer * a / tensor,
       "activations": tok * (L * (saved_per_token + lse) + working_per_token) + logits,
   }
