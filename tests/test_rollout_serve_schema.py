@@ -105,7 +105,7 @@ def test_generate_body_items_rids_and_refusals():
                       ({"input_ids": [1], "stream": "yes"}, "stream"),
                       ({"input_ids": [1], "rid": 5}, "rid"),
                       ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
-                      ({"input_ids": [1], "lora_path": "x"}, "lora_path"),
+                      ({"input_ids": [[1], [2]], "lora_path": ["x"]}, "lora_path"),
                       ({"input_ids": [1], "return_text_in_logprobs": 1},
                        "return_text_in_logprobs"),
                       ({"input_ids": [1], "top_logprobs_num": 50, "return_logprob": True},

@@ -21,6 +21,16 @@ pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk 
 continue_generation. Servers that are down are skipped (they are re-synced when they return);
 a server that fails its update is marked down.
 
+LoRA (``Engine.update_adapter``): a policy whose adapter alone changed is synced by writing the
+adapter in PEFT's format (``rao_jax.model.peft.save_adapter``, a few MB) to ``export_dir`` and
+loading it on every server with SGLang's ``/load_lora_adapter`` under the name ``rao-v{version}``
+(same pause -> load -> continue recipe; ``weight_version`` relabelled with it); every /generate
+then sends ``lora_path`` = that name, and the previous ``rao-v*`` adapters are unloaded (SGLang
+keeps several loaded; rao_jax.rollout.serve applies one at a time and replaces it on load). A
+server that returns is given the newest full weights (when a full sync replaced its base) and
+then the newest adapter. Servers need LoRA enabled (SGLang: ``--enable-lora --max-lora-rank R
+--lora-target-modules ...``; rao_jax.rollout.serve: ``--max-lora-rank R``).
+
 Servers started with ``--api-key`` (SGLang's, or rao_jax.rollout.serve's) get it as
 ``Authorization: Bearer <key>`` on every request (``api_key=``; entry points read it from
 ``RAO_JAX_API_KEY``, never from a config); a 401 raises at once instead of being retried.
@@ -57,6 +67,10 @@ log = logging.getLogger(__name__)
 # The environment variable the entry points read the servers' key from; rao_jax.rollout.serve's
 # --api-key defaults to it too (its door imports this name: one spelling for both ends).
 API_KEY_ENV = "RAO_JAX_API_KEY"
+
+# Adapters this client loads are named ADAPTER_PREFIX + version; older ones of that prefix are
+# unloaded after a newer one loads (names of other prefixes are someone else's).
+ADAPTER_PREFIX = "rao-v"
 
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               ConnectionError)
@@ -175,8 +189,15 @@ class SGLangEngine(Engine):
     self.pool = ServerPool(self.urls, retry_timeout=self.config.retry_timeout,
                            health_interval=self.config.health_interval, health=self._health,
                            resync=self._resync)
-    # (checkpoint folder, version) of the newest weight sync: what a returning server loads.
+    # (checkpoint folder, version) of the newest full weight sync: what a returning server loads.
     self._synced: tuple[str, str] | None = None
+    # (adapter name, PEFT folder, version) of the newest adapter sync over that base (None:
+    # the base alone); its name goes on every /generate as lora_path.
+    self._adapter: tuple[str, str, str] | None = None
+    # Versions served over the current base (the last full sync's, then each adapter's): a
+    # server reporting one of them needs only the newest adapter to catch up.
+    self._base_versions: set[str] = set()
+    self._adapter_syncs = 0       # adapter syncs in progress (lora_path refusals are retried)
     self._version = weight_version
     self.export_root = export_root
     self.tokenizer = tokenizer
@@ -318,6 +339,8 @@ class SGLangEngine(Engine):
       sp["sampling_seed"] = int(p.seed)
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
             "logprob_start_len": -1, "rid": http_rid, "stream": False}
+    if self._adapter is not None:
+      body["lora_path"] = self._adapter[0]
     if self.config.forward_session_ids and request.session_id is not None:
       body["session_params"] = {"id": request.session_id}
     return body
@@ -345,11 +368,13 @@ class SGLangEngine(Engine):
       self.pool.stats[url].generate += 1
       down = False
       try:
-        status, data = await self._post(url, "/generate",
-                                        self._payload(request, ids, max_new, http_rid))
+        payload = self._payload(request, ids, max_new, http_rid)
+        status, data = await self._post(url, "/generate", payload)
         if status >= 500 or status == 429:
           down = status != 429          # 429 is a busy server, not a broken one
           raise ServerError(f"HTTP {status}: {str(data)[:200]}")
+        if status == 400 and self._adapter_moved(payload, data):
+          raise ServerError(f"the adapter changed under the request: {error_message(data)}")
         if status != 200:
           raise ValueError(f"{url}/generate refused the request (HTTP {status}): "
                            f"{error_message(data)}")
@@ -383,6 +408,15 @@ class SGLangEngine(Engine):
                last_error, delay)
       await asyncio.sleep(delay * (0.5 + random.random()))
       delay = min(delay * 2, c.max_backoff)
+
+  def _adapter_moved(self, payload: dict, data: Any) -> bool:
+    """Whether a 400 refusing ``lora_path`` came from an adapter sync racing the request (the
+    name it sent is no longer the newest, or a sync is loading it now): then it is retried,
+    with the newest name, instead of failing."""
+    if "lora_path" not in error_message(data):
+      return False
+    sent = payload.get("lora_path")
+    return self._adapter_syncs > 0 or sent != (self._adapter[0] if self._adapter else None)
 
   async def _check_seed(self, url: str) -> None:
     """Warns (once per server) when ``url`` will ignore sampling_seed."""
@@ -463,6 +497,9 @@ class SGLangEngine(Engine):
     """
     # Set first: a server a probe is re-syncing now must end on this version, not the last.
     self._synced = (model_path, str(version))
+    # New full weights replace the base and any adapter (the servers drop theirs too).
+    self._adapter = None
+    self._base_versions = {str(version)}
     done = await asyncio.gather(*[self._sync_one(u, model_path, version)
                                   for u in self.pool.healthy()])
     if not any(done):
@@ -524,15 +561,24 @@ class SGLangEngine(Engine):
       return str(data["weight_version"])
 
   async def _resync(self, url: str) -> str | None:
-    """Brings a returning server to the newest synced weights; returns the version it serves
-    (None: no sync yet, it serves the weights it started with, as every server did)."""
-    while self._synced is not None:
-      target = self._synced
-      model_path, version = target
-      if await self._server_version(url) != version:
-        await self._update_one(url, model_path, version, patience=0)
+    """Brings a returning server to the newest synced weights and adapter; returns the version
+    it serves (None: no sync yet, it serves the weights it started with, as every server did).
+
+    A server reporting a version served over the current base (``_base_versions``) only loads
+    the newest adapter; any other (a restart, a missed full sync) loads the newest full weights
+    first, when there were any."""
+    while self._synced is not None or self._adapter is not None:
+      target = (self._synced, self._adapter)
+      synced, adapter = target
+      version = adapter[2] if adapter is not None else synced[1]
+      have = await self._server_version(url)
+      if have != version:
+        if synced is not None and (adapter is None or have not in self._base_versions):
+          await self._update_one(url, synced[0], synced[1], patience=0)
+        if adapter is not None:
+          await self._adapter_one(url, *adapter, patience=0)
         self.pool.stats[url].resyncs += 1
-      if self._synced == target:      # no newer sync began meanwhile
+      if (self._synced, self._adapter) == target:      # no newer sync began meanwhile
         return version
     return None
 
@@ -564,6 +610,87 @@ class SGLangEngine(Engine):
     from rao_jax.model.weights import export_hf  # pylint: disable=g-import-not-at-top
     await asyncio.to_thread(export_hf, model, None, self.tokenizer, out)
     await self.update_weights_from_disk(out, version)
+
+  async def update_adapter(self, model, version: int | str) -> None:
+    """Writes ``model``'s LoRA adapter as a PEFT folder (``export_dir(version)``) and has every
+    server load it (``load_adapter_from_disk``); a model without an adapter is sent whole
+    (``update_weights``). The servers' base must be the policy's: the weights they started
+    with, or the last ``update_weights``."""
+    if not model.cfg.lora.enabled:
+      return await self.update_weights(model, version)
+    out = self.export_dir(version)
+    # Imported here: the client itself needs no JAX (a CPU box can drive remote servers).
+    from rao_jax.model.peft import save_adapter  # pylint: disable=g-import-not-at-top
+    await asyncio.to_thread(save_adapter, model, out)
+    await self.load_adapter_from_disk(out, version)
+
+  @staticmethod
+  def adapter_name(version: int | str) -> str:
+    """The name an adapter of ``version`` is loaded under (``lora_path`` of every request)."""
+    return f"{ADAPTER_PREFIX}{version}"
+
+  async def load_adapter_from_disk(self, folder: str, version: int | str) -> None:
+    """Loads a PEFT adapter folder on every server that is up (pause -> /load_lora_adapter ->
+    continue) as ``adapter_name(version)``; requests send that name from now on. Servers that
+    are down load it when they return; one that fails to load it is marked down. With every
+    server down, waits for one to return (raising EngineUnavailableError past the retry
+    timeout). A server refusing the adapter (LoRA not enabled, a rank above its
+    --max-lora-rank, ...) raises RuntimeError naming it and its answer."""
+    name, version = self.adapter_name(version), str(version)
+    self._adapter_syncs += 1
+    try:
+      self._adapter = (name, os.path.abspath(folder), version)
+      self._base_versions.add(version)
+      done = await asyncio.gather(*[self._adapter_sync_one(u, *self._adapter)
+                                    for u in self.pool.healthy()])
+      if not any(done):
+        await self.pool.wait_for_any()
+      self._version = version
+    finally:
+      self._adapter_syncs -= 1
+
+  async def _adapter_sync_one(self, url, name, folder, version) -> bool:
+    """Loads the adapter on one server; False when it failed like a dead server (then marked
+    down)."""
+    try:
+      await self._adapter_one(url, name, folder, version, patience=0)
+      return True
+    except (ConnectionError,) + _RETRYABLE as e:
+      self.pool.mark_down(url, f"adapter load failed: {type(e).__name__}: {e}")
+      return False
+
+  async def _adapter_one(self, url, name, folder, version, patience=None):
+    """pause (abort) -> /load_lora_adapter -> relabel -> unload older rao-v* -> continue."""
+    await self._control(url, "/pause_generation", {"mode": "abort"}, patience)
+    try:
+      body = {"lora_name": name, "lora_path": folder, "weight_version": version}
+      status, data = await self._control(url, "/load_lora_adapter", body, patience)
+      if status != 200 and "already loaded" in error_message(data):
+        # A retried sync that reached the server before: load it afresh under its name.
+        await self._control(url, "/unload_lora_adapter", {"lora_name": name}, patience)
+        status, data = await self._control(url, "/load_lora_adapter", body, patience)
+      if status != 200 or not (isinstance(data, dict) and data.get("success")):
+        raise RuntimeError(f"{url}/load_lora_adapter of {folder} failed (HTTP {status}): "
+                           f"{error_message(data) if isinstance(data, dict) else data}; the "
+                           "server needs LoRA enabled with a rank and targets that fit the "
+                           "adapter (rao_jax.rollout.serve: --max-lora-rank R; SGLang: "
+                           "--enable-lora --max-lora-rank R --lora-target-modules ...).")
+      if str(data.get("weight_version")) != version:
+        # SGLang's load leaves the version label as it was: relabel, so samples carry it.
+        await self._control(url, "/update_weight_version", {"new_version": version}, patience)
+      for old in data.get("loaded_adapters") or {}:
+        if old != name and str(old).startswith(ADAPTER_PREFIX):
+          # SGLang keeps every loaded adapter resident: free the ones no request names now.
+          status, out = await self._control(url, "/unload_lora_adapter", {"lora_name": old},
+                                            patience)
+          if status != 200:
+            log.warning("%s/unload_lora_adapter %s failed (HTTP %s): %s", url, old, status,
+                        error_message(out))
+    finally:
+      try:
+        await self._control(url, "/continue_generation", patience=patience)
+      except (ConnectionError,) + _RETRYABLE as e:
+        log.info("%s/continue_generation failed: %s", url, e)
 
   async def get_weight_versions(self) -> dict[str, str | None]:
     """Each server's current weight version (None for a server that does not answer)."""

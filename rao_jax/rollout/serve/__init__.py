@@ -8,14 +8,37 @@ batch, ``n`` samples, SSE streaming, stop strings, ``min_new_tokens``, prompt an
 log-probs, ``max_new_tokens: 0`` scoring, min-p and penalties), /health, /health_generate,
 /get_model_info, /get_server_info (with ``internal_states``), /flush_cache, /abort_request,
 /update_weights_from_disk, /update_weight_version, /get_weight_version, /pause_generation,
-/continue_generation; and the OpenAI-compatible /v1/models, /v1/completions and
-/v1/chat/completions (chat template applied, streaming, ``n``, ``stop``, ``max_tokens``,
-``logprobs``). Invalid requests, and fields this server does not implement, get HTTP 400 naming
-the field: ``{"error": {"message": ...}}`` on the SGLang endpoints, OpenAI's ``{"error":
-{"message", "type", "param", "code"}}`` on /v1. With ``--api-key`` (or ``RAO_JAX_API_KEY``)
-every route but the health checks needs ``Authorization: Bearer <key>`` (401 otherwise); a
-non-loopback ``--host`` needs a key or ``--allow-no-api-key``; /update_weights_from_disk loads
-only under ``--weight-roots`` (403 otherwise).
+/continue_generation, /load_lora_adapter and /unload_lora_adapter; and the OpenAI-compatible
+/v1/models, /v1/completions and /v1/chat/completions (chat template applied, streaming, ``n``,
+``stop``, ``max_tokens``, ``logprobs``). Invalid requests, and fields this server does not
+implement, get HTTP 400 naming the field: ``{"error": {"message": ...}}`` on the SGLang
+endpoints, OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on /v1. With
+``--api-key`` (or ``RAO_JAX_API_KEY``) every route but the health checks needs
+``Authorization: Bearer <key>`` (401 otherwise); a non-loopback ``--host`` needs a key or
+``--allow-no-api-key``; /update_weights_from_disk and
+/load_lora_adapter load only under ``--weight-roots`` (403 otherwise).
+
+LoRA (``--max-lora-rank R [--lora-target-modules ...] [--lora-alpha A]``, or a LoRA run's
+``--checkpoint``): the engine carries one adapter slot and the server applies ONE adapter at a
+time, merged into its weights (decode costs what it costs without one), where SGLang keeps many
+and picks one per request:
+
+- ``POST /load_lora_adapter {"lora_name", "lora_path": PEFT folder[, "weight_version"]}``
+  reads the folder (inside the weight roots: 403 otherwise; rank <= R, targets among the
+  slot's) and replaces the active adapter; ``POST /unload_lora_adapter {"lora_name"[,
+  "weight_version"]}`` of the active one serves the base again. Both answer SGLang's
+  ``{"success", "error_message", "loaded_adapters": {name: path}}`` (200, or 400 when refused)
+  plus ``weight_version``: the optional ``weight_version`` relabels the weights (SGLang's load
+  leaves the label). A load or unload aborts the requests the engine holds (they asked for the
+  adapter going away; SGLang clients continue aborted requests) and drops every kept KV,
+  sessions' included; requests arriving meanwhile wait for it.
+- ``/generate`` (and /v1/* as a top-level field) take ``lora_path``: the active adapter's name
+  (``/generate`` also a list, one per item). A name that is not the active one is refused
+  (400 naming the active adapter; a replaced one says what replaced it), and so is a request
+  without ``lora_path`` while an adapter is active: this server cannot serve the base beside
+  it, so it says to send the name or unload the adapter instead of answering from other
+  weights than SGLang would. /update_weights_from_disk drops the active adapter (new base,
+  zero adapter).
 
 Who owns what:
 
@@ -27,6 +50,8 @@ Who owns what:
     sglang_routes.py  /generate
     openai_routes.py  /v1/*
     admin_routes.py   health, info (internal_states), weights, flush, abort, pause, continue
+    lora_routes.py    /load_lora_adapter, /unload_lora_adapter
+    adapters.py       AdapterSlot: the one served adapter, fitting PEFT folders into the slot
     door.py           the API key (401 but on health checks), the bind check, weight roots
     server.py         Server: the routes as one aiohttp application
     loading.py        pretrained, checkpoint and tiny models; the engine's stop ids

@@ -98,7 +98,9 @@ class AdminRoutes(ServerCore):
         "weight_roots": list(self.weight_roots.roots),
         "engine_config": dataclasses.asdict(self.engine.config),
         # SGLang: one dict per scheduler (data-parallel rank); this server has one.
-        "internal_states": [self.internal_state()]})
+        "internal_states": [self.internal_state()],
+        # The LoRA slot (None without one): rank, alpha, targets and the active adapter.
+        "lora": self.adapter_slot.describe() if self.adapter_slot is not None else None})
 
   async def weight_version(self, request):
     """GET /get_weight_version."""
@@ -156,7 +158,8 @@ class AdminRoutes(ServerCore):
 
   async def update_weights_from_disk(self, request):
     """POST /update_weights_from_disk: loads a checkpoint folder with ``loader``; a path outside
-    the server's weight roots gets 403 naming them."""
+    the server's weight roots gets 403 naming them. With a LoRA slot the new weights come with a
+    zero adapter (the loader adds it): the active adapter, if any, is dropped."""
     try:
       body = UpdateWeightsFromDiskIn.from_json(await self._json(request))
     except BadRequest as e:
@@ -183,6 +186,10 @@ class AdminRoutes(ServerCore):
         log.exception("update_weights_from_disk failed")
         return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}",
                                   "num_paused_requests": 0}, status=400)
+      if self.adapter_slot is not None:
+        # The loader gave the new base a zero adapter: the base alone is served now.
+        self.adapter_slot.activate(None, None, "/update_weights_from_disk replaced the "
+                                               f"weights with {body.model_path!r}")
     self.model_path = body.model_path
     msg = "Succeeded to update model weights."
     if version is not None:

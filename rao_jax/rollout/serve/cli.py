@@ -5,6 +5,7 @@
     python -m rao_jax.rollout.serve --checkpoint runs/x [--step N]    # a training run's weights
     python -m rao_jax.rollout.serve --tiny --num-slots 4 --chunk-sizes 16,64
     RAO_JAX_API_KEY=... python -m rao_jax.rollout.serve --host 0.0.0.0 --weight-roots runs
+    python -m rao_jax.rollout.serve --model smollm2-135m --max-lora-rank 8   # a LoRA run's servers
 """
 from __future__ import annotations
 
@@ -70,6 +71,43 @@ def weight_roots(args: argparse.Namespace) -> tuple[str, ...]:
   elif args.model and os.path.isfile(args.model):
     roots.append(os.path.dirname(os.path.abspath(args.model)))
   return tuple(roots)
+
+
+def adapter_slot_config(args: argparse.Namespace, model_lora):
+  """The LoraConfig of the served adapter slot, or None for a server without one.
+
+  Args:
+    args: parsed flags (``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``,
+      ``--lora-alpha``).
+    model_lora: the loaded model's LoraConfig (a LoRA run's checkpoint has an adapter: it is
+      the slot, and the flags must agree with it).
+
+  Raises:
+    ValueError: flags that contradict each other or the checkpoint's adapter, naming the fix.
+  """
+  from rao_jax.model import lora as lora_lib
+  from rao_jax.rollout.serve.adapters import parse_target_modules
+  targets = parse_target_modules(args.lora_target_modules)
+  if model_lora.enabled:
+    want = {"--max-lora-rank": (args.max_lora_rank, model_lora.rank),
+            "--lora-alpha": (args.lora_alpha, model_lora.alpha)}
+    for flag, (given, have) in want.items():
+      if given is not None and given != have:
+        raise ValueError(f"{flag} {given}: the served checkpoint's adapter has {have}, and it "
+                         "is the server's adapter slot; drop the flag or give its value.")
+    if args.lora_target_modules != "all" and set(targets) != set(model_lora.targets):
+      raise ValueError(f"--lora-target-modules {args.lora_target_modules}: the served "
+                       f"checkpoint's adapter targets {list(model_lora.targets)}; drop the flag.")
+    return model_lora
+  if args.max_lora_rank is None:
+    if args.enable_lora:
+      raise ValueError("--enable-lora needs --max-lora-rank R: the rank of the adapter slot "
+                       "(adapters of rank <= R load).")
+    return None
+  if args.max_lora_rank < 1:
+    raise ValueError(f"--max-lora-rank {args.max_lora_rank}: give a rank >= 1.")
+  alpha = args.lora_alpha if args.lora_alpha is not None else lora_lib.LoraConfig.alpha
+  return lora_lib.LoraConfig(rank=args.max_lora_rank, alpha=alpha, targets=targets)
 
 
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
@@ -144,10 +182,26 @@ def parser() -> argparse.ArgumentParser:
                   help="serve a non-loopback --host without a key (anyone reaching the port "
                        "can generate and load weights)")
   ap.add_argument("--weight-roots", type=_folders, default=None,
-                  help="comma-separated folders /update_weights_from_disk may load from "
+                  help="comma-separated folders /update_weights_from_disk and "
+                       "/load_lora_adapter may load from "
                        "(symlinks and .. resolved; 403 outside them). Default: the working "
                        "directory, plus the --checkpoint run or the --model folder (or the "
                        "folder of a --model file)")
+  lora = ap.add_argument_group(
+      "LoRA (SGLang's flags; this server applies one adapter at a time, merged into its "
+      "weights: /load_lora_adapter replaces it, and requests name it with lora_path)")
+  lora.add_argument("--enable-lora", action="store_true",
+                    help="give the engine an adapter slot (implied by --max-lora-rank; needs "
+                         "it unless --checkpoint serves a LoRA run, whose adapter is the slot)")
+  lora.add_argument("--max-lora-rank", type=int, default=None,
+                    help="the slot's rank R: adapters of rank <= R load (smaller ones padded "
+                         "with zeros)")
+  lora.add_argument("--lora-target-modules", default="all",
+                    help="comma-separated projections the slot adapts: q_proj, k_proj, v_proj, "
+                         "o_proj, gate_proj, up_proj, down_proj, or all (default)")
+  lora.add_argument("--lora-alpha", type=float, default=None,
+                    help="the slot's alpha (default: model.lora's default, 32); adapters of "
+                         "another alpha / rank are rescaled to it (exact when equal)")
   ap.add_argument("--dtype", default=None, help="activation/param dtype (default per backend)")
   ap.add_argument("--warmup", action="store_true", help="compile every shape before serving")
   ap.add_argument("--weight-version", default="default",
@@ -171,6 +225,8 @@ def build_server(argv=None):
   """
   # JAX loads here, after the flags parsed (so --help and flag errors are instant).
   from rao_jax.model import load_pretrained
+  from rao_jax.model import lora as lora_lib
+  from rao_jax.rollout.serve.adapters import AdapterSlot
   from rao_jax.rollout.serve import loading
   from rao_jax.rollout.serve.schema import BadRequest, parse_sampling
   from rao_jax.rollout.serve.server import Server
@@ -199,6 +255,12 @@ def build_server(argv=None):
   except ValueError as e:
     ap.error(str(e))
 
+  if not args.checkpoint:     # flag errors before the model loads (a checkpoint's come after)
+    try:
+      adapter_slot_config(args, lora_lib.LoraConfig())
+    except ValueError as e:
+      ap.error(str(e))
+
   from rao_jax.rollout import EmbeddedEngine
   model_name = args.model or "smollm2-135m"
   if args.checkpoint:
@@ -210,6 +272,13 @@ def build_server(argv=None):
   else:
     model, tokenizer = load_pretrained(model_name, dtype=args.dtype)
     model_path = model_name
+  try:
+    slot = adapter_slot_config(args, model.cfg.lora)
+  except ValueError as e:
+    ap.error(str(e))
+  if slot is not None and not model.cfg.lora.enabled:
+    # A zero adapter (B = 0): the base is served exactly until an adapter loads.
+    lora_lib.add_adapters(model, slot)
   cfg = dataclasses.replace(cfg, default_stop_token_ids=loading.stop_ids(tokenizer))
   engine = EmbeddedEngine(model, cfg, weight_version=args.weight_version, tokenizer=tokenizer)
   if args.warmup:
@@ -218,9 +287,10 @@ def build_server(argv=None):
   info["model_type"] = getattr(getattr(model, "cfg", None), "model_type", None)
   info["api_key_required"] = bool(api_key)
   server = Server(engine, tokenizer, model_path=model_path,
-                  loader=loading.weights_loader(args.dtype), server_args=info,
+                  loader=loading.weights_loader(args.dtype, model.cfg.lora), server_args=info,
                   served_model_name=args.served_model_name or args.checkpoint or model_name,
-                  preferred_sampling_params=preferred, api_key=api_key, weight_roots=roots)
+                  preferred_sampling_params=preferred, api_key=api_key, weight_roots=roots,
+                  adapter_slot=AdapterSlot(model) if model.cfg.lora.enabled else None)
   return server, args
 
 

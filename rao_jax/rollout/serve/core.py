@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from rao_jax.rollout.base import FinishReason, GenerateRequest, GenerateResult
-from rao_jax.rollout.serve import door
+from rao_jax.rollout.serve import adapters, door
 from rao_jax.rollout.serve.protocol import ServedEngine
 from rao_jax.rollout.serve.schema import BadRequest, Done, Item, finish_reason_json, held_back
 
@@ -38,15 +38,18 @@ class ServerCore:
     preferred_sampling_params: sampling defaults every request starts from.
     api_key: when set, every route but the health checks needs ``Authorization: Bearer
       <api_key>`` (``door.api_key_middleware``).
-    weight_roots: the folders /update_weights_from_disk may read (``door.WeightRoots``);
-      None: the working directory.
+    weight_roots: the folders /update_weights_from_disk and /load_lora_adapter may read
+      (``door.WeightRoots``); None: the working directory.
+    adapter_slot: the LoRA adapter slot the engine's model carries (``adapters.AdapterSlot``);
+      None refuses /load_lora_adapter and ``lora_path``.
   """
 
   def __init__(self, engine: ServedEngine, tokenizer=None, *, model_path: str = "",
                loader: Callable[[str], Any] | None = None, server_args: dict | None = None,
                served_model_name: str | None = None,
                preferred_sampling_params: dict | None = None, api_key: str | None = None,
-               weight_roots: Sequence[str] | None = None):
+               weight_roots: Sequence[str] | None = None,
+               adapter_slot: adapters.AdapterSlot | None = None):
     self.engine = engine
     self.tokenizer = tokenizer
     self.model_path = model_path
@@ -68,6 +71,32 @@ class ServerCore:
       eos = [tokenizer.eos_token_id] + list(getattr(tokenizer, "stop_token_ids", []))
     self.eos_ids = tuple(dict.fromkeys(int(t) for t in eos if t is not None))
     self._update_lock = asyncio.Lock()
+    self.adapter_slot = adapter_slot
+    # Cleared while an adapter load or unload swaps the weights: requests arriving then wait,
+    # and are checked against the adapter served after it (``_admit``).
+    self.weights_ready = asyncio.Event()
+    self.weights_ready.set()
+
+  def check_lora(self, name: str | None) -> None:
+    """Refuses (BadRequest) a ``lora_path`` that is not what the engine serves now."""
+    if self.adapter_slot is None:
+      adapters.check_without_slot(name)
+    else:
+      self.adapter_slot.check(name)
+
+  async def check_items(self, items: Sequence[Item]) -> None:
+    """Waits out an adapter swap and refuses (BadRequest) items naming an adapter that is not
+    served: the routes call it before answering, so a refusal is a 400, not a stream error."""
+    await self.weights_ready.wait()
+    for it in items:
+      self.check_lora(it.lora)
+
+  async def _admit(self, it: Item) -> None:
+    """Waits out an adapter swap, then checks the item's adapter. The caller hands the item to
+    the engine with no await in between, so no swap can start between the check and the
+    engine taking it (a swap aborts what the engine holds)."""
+    await self.weights_ready.wait()
+    self.check_lora(it.lora)
 
   async def _json(self, request: web.Request, allow_empty: bool = False):
     raw = await request.read()
@@ -110,6 +139,7 @@ class ServerCore:
     smp = it.sampling
     loop = asyncio.get_running_loop()
     matched: list[str] = []
+    await self._admit(it)
     if it.params is None:
       r = GenerateResult([], [], FinishReason.LENGTH, self.engine.weight_version,
                          len(it.prompt))

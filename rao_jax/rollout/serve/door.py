@@ -7,10 +7,11 @@
   timing says nothing about how much of a guess was right.
 - Bind check: a server reachable from other hosts without a key lets anyone generate and make
   it load weights; ``check_bind`` refuses that unless the operator asked for it.
-- Weight roots: ``/update_weights_from_disk`` reads a path from the request; ``WeightRoots``
-  resolves it (symlinks, ``..``, relative to the server's working directory) and admits it only
-  inside the folders the server was started with, so a caller cannot make the server open
-  arbitrary files (whose bytes would come back in the loader's error messages).
+- Weight roots: ``/update_weights_from_disk`` and ``/load_lora_adapter`` read a path from the
+  request; ``WeightRoots`` resolves it (symlinks, ``..``, relative to the server's working
+  directory) and admits it only inside the folders the server was started with, so a caller
+  cannot make the server open arbitrary files (whose bytes would come back in the loader's
+  error messages).
 """
 from __future__ import annotations
 
@@ -135,11 +136,15 @@ class WeightRoots:
       raise ValueError("WeightRoots: give at least one folder weight loads may read from "
                        "(--weight-roots DIR[,DIR]).")
 
-  def resolve(self, path: str) -> str:
+  def resolve(self, path: str, field: str = "model_path") -> str:
     """The real path of ``path`` when it lies inside a root.
 
     The caller loads the returned path, the one checked, so a symlink along the requested path
     cannot lead the load elsewhere.
+
+    Args:
+      path: the requested path.
+      field: the request field it came from (named in the refusal).
 
     Raises:
       PathOutsideRoots: the resolved path is outside every root; the message names them.
@@ -149,6 +154,6 @@ class WeightRoots:
       if os.path.commonpath([real, root]) == root:
         return real
     raise PathOutsideRoots(
-        f"model_path {path!r} resolves to {real!r}, outside the folders this server loads "
+        f"{field} {path!r} resolves to {real!r}, outside the folders this server loads "
         f"weights from: {list(self.roots)}. Write checkpoints under one of them, or restart "
         "the server with --weight-roots naming the folder.")

@@ -116,6 +116,15 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
   return tuple(dict.fromkeys(int(t) for t in ids if t is not None))
 
 
-def weights_loader(dtype: Any = None):
-  """``loader(path) -> model`` for /update_weights_from_disk (an HF folder or GGUF file)."""
-  return lambda path: load_model(path, dtype=dtype)
+def weights_loader(dtype: Any = None, lora: Any = None):
+  """``loader(path) -> model`` for /update_weights_from_disk (an HF folder or GGUF file).
+
+  Args:
+    dtype: activation and parameter dtype.
+    lora: the served model's adapter slot (a LoraConfig; None or rank 0: none). The loaded
+      weights get a zero adapter of it, so they have the engine's structure and serve the new
+      base exactly.
+  """
+  def load(path):
+    return lora_lib.add_adapters(load_model(path, dtype=dtype), lora)
+  return load

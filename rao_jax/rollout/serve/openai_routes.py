@@ -55,7 +55,8 @@ class OpenAIRoutes(ServerCore):
                           rid=f"{base}_{i * n + j}", return_logprob=logprobs or echo,
                           logprob_start_len=0 if echo and logprobs else -1,
                           top_logprobs_num=top,
-                          temperature=params.temperature if params else 1.0))
+                          temperature=params.temperature if params else 1.0,
+                          lora=body.lora_path))
     return items
 
   def _token_str(self, t: int) -> str:
@@ -111,6 +112,10 @@ class OpenAIRoutes(ServerCore):
     except BadRequest as e:
       return openai_error(str(e), e.param)
     await self.unpaused.wait()
+    try:
+      await self.check_items(items)      # lora_path names the adapter served (or none)
+    except BadRequest as e:
+      return openai_error(str(e), e.param)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model = body.model or self.served_model_name
     prompt_tokens = sum(len(p) for p in ids)
@@ -196,6 +201,10 @@ class OpenAIRoutes(ServerCore):
     except BadRequest as e:
       return openai_error(str(e), e.param)
     await self.unpaused.wait()
+    try:
+      await self.check_items(items)      # lora_path names the adapter served (or none)
+    except BadRequest as e:
+      return openai_error(str(e), e.param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model = body.model or self.served_model_name
 

@@ -71,6 +71,9 @@ class _OpenAIIn(JsonBody):
   separate_reasoning: Any = None
   continue_final_message: Any = None
   chat_template_kwargs: dict | None = None
+  # SGLang's extension (OpenAI clients send it with extra_body): the loaded LoRA adapter to
+  # generate with, by name; None: the base model.
+  lora_path: str | None = None
 
   def __post_init__(self):
     for k in _REFUSED:

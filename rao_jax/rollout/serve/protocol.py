@@ -70,6 +70,10 @@ class ServedEngine(Protocol):
   async def update_weights(self, model: Any, version: int | str) -> None:
     """Serves ``model``'s weights from now on (``Engine.update_weights``)."""
 
+  async def update_adapter(self, model: Any, version: int | str) -> None:
+    """Serves a LoRA adapter (a model with one, or its nnx.LoRAParam state) merged into the
+    base the engine holds (``Engine.update_adapter``); /load_lora_adapter uses it."""
+
   def score(self, token_ids: Sequence[int], *, temperature: float = 1.0,
             top_k: int = 0) -> tuple[list[float | None], list[list[tuple[float, int]]]]:
     """Log-prob of each token given the ones before, and top-k alternatives. Blocking."""

@@ -12,6 +12,7 @@ BadRequest into HTTP 400.
     CompletionIn       OpenAI's ``/v1/completions`` body
     ChatIn             OpenAI's ``/v1/chat/completions`` body
     UpdateWeightsFromDiskIn, UpdateWeightVersionIn, AbortIn, PauseIn   admin bodies
+    LoadLoraAdapterIn, UnloadLoraAdapterIn   /load_lora_adapter, /unload_lora_adapter
     Sampling, Item, Done   what the routes run and what the formatters read
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ TOP_LOGPROBS_MAX = 20       # SGLang's and OpenAI's bound on alternatives per po
 # Fields SGLang has and this server does not implement: refused when set.
 UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex",
                         "logit_bias")
-UNSUPPORTED_BODY = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+UNSUPPORTED_BODY = ("input_embeds", "image_data", "video_data", "audio_data",
                     "custom_logit_processor", "token_ids_logprob", "return_hidden_states",
                     "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -288,6 +289,7 @@ class Item:
   text_in_logprobs: bool = False
   session_id: str | None = None
   temperature: float = 1.0
+  lora: str | None = None          # the adapter the request names (``lora_path``); None: base
 
 
 @dataclasses.dataclass
@@ -326,7 +328,8 @@ class GenerateIn(JsonBody):
   image_data: Any = None
   video_data: Any = None
   audio_data: Any = None
-  lora_path: Any = None
+  # The name of a loaded adapter (SGLang: one name, or a list with one per item, null = base).
+  lora_path: str | tuple[str | None, ...] | None = None
   custom_logit_processor: Any = None
   token_ids_logprob: Any = None
   return_hidden_states: Any = None
@@ -377,6 +380,19 @@ def _prompt_rows(g: GenerateIn, tokenizer, vocab_size: int) -> tuple[list[list[i
   if any(not r for r in rows):
     raise BadRequest("text encodes to no tokens.", "text")
   return rows, is_batch
+
+
+def _lora_names(lora_path, B: int) -> list[str | None]:
+  """One adapter name (or None) per item of ``lora_path`` (a name, or a list of B)."""
+  names = list(lora_path) if isinstance(lora_path, tuple) else [lora_path] * B
+  if len(names) != B:
+    raise BadRequest(f"lora_path is a list of {len(names)}; give one name or one per item "
+                     f"({B}).", "lora_path")
+  for name in names:
+    if name is not None and not name.strip():
+      raise BadRequest(f"lora_path={name!r} must name a loaded adapter (or be null for the "
+                       "base model).", "lora_path")
+  return names
 
 
 def _rids(rid, B: int, n: int) -> list[str]:
@@ -437,6 +453,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, eos_ids: tuple[int, ..
   ret_lp = _per_item(g.return_logprob, B, "return_logprob")
   start = _per_item(g.logprob_start_len, B, "logprob_start_len")
   top_n = _per_item(g.top_logprobs_num, B, "top_logprobs_num")
+  loras = _lora_names(g.lora_path, B)
   if g.return_text_in_logprobs and tokenizer is None:
     raise BadRequest("return_text_in_logprobs needs a tokenizer; this server has none.",
                      "return_text_in_logprobs")
@@ -467,7 +484,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, eos_ids: tuple[int, ..
                         top_logprobs_num=k if rl else 0,
                         text_in_logprobs=g.return_text_in_logprobs,
                         session_id=sid if B * n == 1 else None,
-                        temperature=params.temperature if params else 1.0))
+                        temperature=params.temperature if params else 1.0, lora=loras[i]))
   return items, is_batch or n > 1, g.stream
 
 
@@ -633,3 +650,38 @@ class PauseIn(JsonBody):
     if self.mode not in ("abort", "retract", "in_place"):
       raise BadRequest(f"request.mode={self.mode!r}: use 'abort', 'retract' or 'in_place'.",
                        "mode")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadLoraAdapterIn(JsonBody):
+  """``/load_lora_adapter`` (SGLang's LoadLoRAAdapterReqInput): a PEFT folder under a name.
+
+  ``weight_version`` (a rao_jax extension, as on /update_weights_from_disk) relabels the served
+  weights; SGLang's own load leaves the label as it is. ``pinned`` is accepted and changes
+  nothing here (one adapter at a time is always resident).
+  """
+  STRICT = False
+  lora_name: str = ""
+  lora_path: str = ""
+  pinned: bool = False
+  weight_version: str | int | None = None
+
+  def __post_init__(self):
+    if not self.lora_name.strip():
+      raise BadRequest("lora_name (a non-empty string) is required.", "lora_name")
+    if not self.lora_path:
+      raise BadRequest("lora_path (a PEFT adapter folder on the server) is required.",
+                       "lora_path")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnloadLoraAdapterIn(JsonBody):
+  """``/unload_lora_adapter`` (SGLang's UnloadLoRAAdapterReqInput); ``weight_version`` as in
+  LoadLoraAdapterIn."""
+  STRICT = False
+  lora_name: str = ""
+  weight_version: str | int | None = None
+
+  def __post_init__(self):
+    if not self.lora_name.strip():
+      raise BadRequest("lora_name (a non-empty string) is required.", "lora_name")

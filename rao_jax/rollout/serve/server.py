@@ -3,6 +3,7 @@
     sglang_routes.py   /generate
     openai_routes.py   /v1/models, /v1/completions, /v1/chat/completions
     admin_routes.py    health, info, weights, flush, abort, pause, continue
+    lora_routes.py     /load_lora_adapter, /unload_lora_adapter (one adapter at a time)
     door.py            the API key every route but the health checks asks for (when set)
 """
 from __future__ import annotations
@@ -11,11 +12,12 @@ from aiohttp import web
 
 from rao_jax.rollout.serve import door
 from rao_jax.rollout.serve.admin_routes import AdminRoutes
+from rao_jax.rollout.serve.lora_routes import LoraRoutes
 from rao_jax.rollout.serve.openai_routes import OpenAIRoutes
 from rao_jax.rollout.serve.sglang_routes import SGLangRoutes
 
 
-class Server(SGLangRoutes, OpenAIRoutes, AdminRoutes):
+class Server(SGLangRoutes, OpenAIRoutes, AdminRoutes, LoraRoutes):
   """The SGLang- and OpenAI-compatible server over one engine (see ``ServerCore`` for the
   arguments and ``protocol.ServedEngine`` for what the engine must provide)."""
 
@@ -38,6 +40,8 @@ class Server(SGLangRoutes, OpenAIRoutes, AdminRoutes):
     r.add_post("/abort_request", self.abort_request)
     r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
     r.add_post("/update_weight_version", self.update_weight_version)
+    r.add_post("/load_lora_adapter", self.load_lora_adapter)
+    r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
     r.add_post("/pause_generation", self.pause_generation)
     r.add_post("/continue_generation", self.continue_generation)
     r.add_post("/v1/completions", self.completions)

@@ -36,6 +36,12 @@ class SGLangRoutes(ServerCore):
     # Like SGLang, requests that arrive while paused wait here, outside the engine, so a
     # /flush_cache during a weight update sees an idle engine.
     await self.unpaused.wait()
+    # Refused here, before a stream starts, when the adapter named is not the one served (and
+    # checked again as each item enters the engine, ServerCore._admit).
+    try:
+      await self.check_items(items)
+    except BadRequest as e:
+      return sglang_error(str(e))
     if stream:
       return await sse.stream(
           request, items, self._run,
