@@ -43,6 +43,7 @@ setup(
         "rao-train = rao_jax.cli.train:run",
         "rao-evaluate = rao_jax.cli.evaluate:run",
         "rao-sft = rao_jax.cli.sft:run",
+        "rao-export = rao_jax.cli.export:run",
         "rao-serve = rao_jax.rollout.serve:main",
     ]},
     install_requires=[
@@ -78,6 +79,9 @@ setup(
             "openai>=1.40",
             # Raw HTTP in serve's tests (SSE streams line by line); only gguf pulls it in otherwise.
             "requests>=2.28",
+            # Hugging Face PEFT: the tests that rao_jax's LoRA adapter folders load in PEFT (and
+            # PEFT's in rao_jax) with the same logits (tests/test_model_peft.py).
+            "peft>=0.21",
         ],
         # The SGLang rollout server for GPU nodes; a CPU machine never needs it.
         # 0.5.6: the first release with everything SGLANG_API.md uses: pause_generation modes
