@@ -30,7 +30,8 @@ transformers = pytest.importorskip("transformers")
 # factor moves them by O(1).
 TOL = dict(atol=2e-4, rtol=0)
 STEP = 3
-LORA = {"rank": 4, "alpha": 12.0, "targets": ["q", "v", "o", "up", "down"]}
+# As a run's config.json holds it (experiments/configs/base.py: targets as one string).
+LORA = {"rank": 4, "alpha": 12.0, "targets": "q,v,o,up,down", "dropout": 0.0}
 
 
 def _make_run(root, base_folder, lora):
