@@ -76,7 +76,7 @@ def _key(i: int, target: str, factor: str) -> str:
   return f"{KEY_PREFIX}model.layers.{i}.{HF_MODULES[target]}.lora_{factor}.weight"
 
 
-def _np_dtype(dtype, default: str) -> np.dtype:
+def _np_dtype(dtype, default) -> np.dtype:
   name = jnp.dtype(dtype if dtype is not None else default).name
   if name not in _FLOAT_DTYPES:
     raise ValueError(f"dtype={dtype!r}: adapter tensors are stored as one of "
@@ -155,7 +155,7 @@ def save_adapter(model, out_dir: str, *, base_model: str | None = None, dtype=No
   """
   adapter = _adapter_of(model, "save_adapter")
   cfg = model.cfg
-  dt = _np_dtype(dtype, cfg.param_dtype)
+  dt = _np_dtype(dtype, cfg.jnp_param_dtype)
   tensors = {}
   for t in cfg.lora.targets:
     # Cast on the host through float32: bf16 params stay exact, float16 storage rounds once.
