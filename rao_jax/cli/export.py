@@ -8,12 +8,12 @@ r"""Export a training run's policy for other tools: a PEFT LoRA adapter or a Hug
 A LoRA run's checkpoint holds only the adapter; by default DIR becomes a PEFT adapter folder
 (adapter_config.json + adapter_model.safetensors, base_model_name_or_path = the run's
 model.name) that `peft.PeftModel.from_pretrained(base, DIR)` loads (PEFT's format, the one
-vLLM's and SGLang's LoRA loaders read too) and `rao_jax.model.peft.load_adapter` reads back. PEFT needs the base as an HF folder
-with the very weights the run trained on: when model.name is a registry name or a GGUF file
-(dequantized weights, not the hub's), --base_out=BASE writes that base as an HF folder and the
-adapter names it. --merge writes one HF folder (config, safetensors, tokenizer) with
-W + (alpha / r) A B in place of each adapted weight: any transformers or SGLang user loads it
-as a plain model. A full fine-tuning run always exports an HF folder; --merge is accepted
+vLLM's and SGLang's LoRA loaders read too) and `rao_jax.model.peft.load_adapter` reads back.
+PEFT needs the base as an HF folder with the very weights the run trained on: when model.name
+is a registry name or a GGUF file (dequantized weights, not the hub's), --base_out=BASE writes
+that base as an HF folder and the adapter names it. --merge writes one HF folder (config,
+safetensors, tokenizer) with W + (alpha / r) A B in place of each adapted weight: any
+transformers or SGLang user loads it as a plain model. A full fine-tuning run always exports an HF folder; --merge is accepted
 there and changes nothing (the weights are the whole model already).
 
 --dtype sets the stored tensors' dtype (default: the run's parameter dtype). Files are written
