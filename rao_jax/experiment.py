@@ -207,8 +207,15 @@ def load_policy(config):
                                      param_dtype="float32",
                                      remat="none" if remat == "auto" else remat,
                                      kernels=config.model.get("kernels", "auto"))
+  lora = lora_lib.from_dict(lora_section(config))
+  if lora.enabled and config.ckpt.get("init_from"):
+    # A LoRA run adapts the model it starts from: that run's weights are the frozen base, at
+    # the start, at every resume and in evaluation (the adapter checkpoints name it by
+    # fingerprint). A full fine-tuning run reads init_from once, into its first state.
+    from rao_jax.learner import checkpoint  # pylint: disable=g-import-not-at-top
+    checkpoint.load_params_into(model, config.ckpt.init_from)
   # Fresh adapters (B = 0: the loaded model's outputs are unchanged) when model.lora.rank > 0.
-  lora_lib.add_adapters(model, lora_section(config))
+  lora_lib.add_adapters(model, lora)
   if remat == "auto":
     # The model's shapes are known now; remat is read when the step is traced, later.
     model.cfg = dataclasses.replace(model.cfg, remat=planned_remat(config, model.cfg))

@@ -82,6 +82,7 @@ from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
 from rao_jax.experiment import RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
+from rao_jax.learner import checkpoint as checkpoint_lib
 from rao_jax.rollout import base as rollout_base
 from rao_jax.rollout.base import EngineFailedError
 
@@ -188,7 +189,8 @@ class Trainer:
       extra = self.learner.restore(latest)
       self.start_step = int(extra.get("data_position", latest))
       log.info("Resumed from %s at step %d.", self.learner.cfg.ckpt_dir, self.start_step)
-    elif config.ckpt.init_from:
+    elif config.ckpt.init_from and not self.learner.lora:
+      # (With LoRA, load_policy made init_from's weights the frozen base already.)
       self._init_params_from(config.ckpt.init_from)
     self.engine = X.make_engine(config, self._local_model(), self.tokenizer,
                                 export_dir=os.path.join(self.workdir, "weights"))
@@ -225,8 +227,7 @@ class Trainer:
 
   def _init_params_from(self, path: str) -> None:
     """Starts from another run's newest parameters (optimizer and step start fresh)."""
-    ckpt_dir = path if os.path.basename(path.rstrip("/")) == "checkpoints" else os.path.join(
-        path, "checkpoints")
+    ckpt_dir = checkpoint_lib.init_from_dir(path)
     donor = Learner(self.learner.cfg, self.model_cfg, mesh=self.learner.mesh)
     if donor.latest_checkpoint_step(ckpt_dir) is None:
       raise FileNotFoundError(f"config.ckpt.init_from={path!r}: no checkpoint in {ckpt_dir}.")

@@ -188,7 +188,8 @@ def test_trainer_sync_goes_through_update_weights_of_the_configured_engine(tmp_p
     async with FakeSGLang() as srv:
       config = config_dict.ConfigDict({"rollout": {"engine": "sglang", "urls": (srv.url,)}})
       engine = X.make_engine(config, model, None, export_dir=str(tmp_path / "weights"))
-      trainer = types.SimpleNamespace(engine=engine, _local_model=lambda: model)
+      trainer = types.SimpleNamespace(engine=engine, _local_model=lambda: model,
+                                      learner=types.SimpleNamespace(lora=False))
       seconds = await Trainer.sync_weights(trainer, 2)
       loads = [b for p, b in srv.controls if p == "/update_weights_from_disk"]
       assert loads == [{"model_path": str(tmp_path / "weights" / "v000002"),

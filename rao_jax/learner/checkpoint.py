@@ -356,3 +356,22 @@ def restore_params(directory: str, params, step: int | None = None) -> tuple[Any
     mngr.close()
   restored = out["state"]
   return jax.tree_util.tree_unflatten(treedef, [restored[k] for k in flat])["params"], step
+
+
+def init_from_dir(path: str) -> str:
+  """The checkpoint folder of a run directory (or of its ``checkpoints/`` given directly)."""
+  path = os.fspath(path)
+  return path if os.path.basename(path.rstrip("/")) == "checkpoints" else os.path.join(
+      path, "checkpoints")
+
+
+def load_params_into(model, path: str, step: int | None = None) -> int:
+  """Writes a run's checkpoint parameters (``path``: the run or its checkpoints/) into
+  ``model``'s nnx.Param leaves (a LoRA model's adapter excepted); returns the step read.
+  What a LoRA run adapts when it starts from another run (``config.ckpt.init_from``)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  target = nnx.state(model, nnx.Not(nnx.LoRAParam))
+  params, step = restore_params(init_from_dir(path), target, step)
+  nnx.update(model, params)
+  log.info("Loaded the parameters of %s (step %d).", init_from_dir(path), step)
+  return step

@@ -40,6 +40,27 @@ from rao_jax.rollout.engine.slot_table import Req
 log = logging.getLogger(__name__)
 
 
+def _own_copy(x, device, dtype):
+  """``x`` on ``device`` in ``dtype``, in a buffer that nothing else holds.
+
+  ``jax.device_put(..., may_alias=False)`` is not enough: from an array replicated over several
+  devices (the learner's, on a data-parallel mesh) onto one of them it returns that device's
+  shard itself, so the learner's next step, which donates its state, deleted the engine's
+  weights under it ("Buffer has been deleted or donated"). A shard kept as it is gets copied.
+  """
+  moved = jax.device_put(x, device, may_alias=False)
+  if moved.dtype != dtype:
+    return moved.astype(dtype)   # a new buffer
+  if not isinstance(x, jax.Array):
+    return moved                 # from host memory: a new buffer
+  try:
+    ptr = moved.unsafe_buffer_pointer()
+    shared = any(s.data.unsafe_buffer_pointer() == ptr for s in x.addressable_shards)
+  except Exception:   # noqa: BLE001 - a platform without buffer pointers: copy to be sure
+    shared = True
+  return jnp.copy(moved) if shared else moved
+
+
 class EmbeddedEngine(Engine):
   """Continuous-batching JAX engine over a model implementing the rao_jax model contract.
 
@@ -451,8 +472,7 @@ class EmbeddedEngine(Engine):
       if new.shape != old.shape:
         raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
                          f"has {old.shape}; the configs differ.")
-      moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
-      return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
+      return _own_copy(new, self._device, old.dtype)
     state = jax.tree.map(own, state, self._abstract_state)
     if self._lora is not None:
       self._base = nnx.split_state(state, nnx.LoRAParam, ...)[1]
@@ -475,8 +495,7 @@ class EmbeddedEngine(Engine):
       if new.shape != old.shape:
         raise ValueError(f"update_adapter: an adapter array has shape {new.shape}, the "
                          f"engine's has {old.shape}; the model.lora ranks or targets differ.")
-      moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
-      return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
+      return _own_copy(new, self._device, old.dtype)
     adapter = jax.tree.map(own, adapter, self._abstract_adapter)
     return nnx.merge(self._graphdef, adapter, self._base).inference_params()
 

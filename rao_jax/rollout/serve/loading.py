@@ -13,7 +13,7 @@ from typing import Any
 
 from flax import nnx
 
-from rao_jax.learner.checkpoint import restore_params
+from rao_jax.learner.checkpoint import load_params_into, restore_params
 from rao_jax.model import ModelConfig, Transformer, load_pretrained
 from rao_jax.model import lora as lora_lib
 from rao_jax.model.tokenizer import Tokenizer
@@ -53,6 +53,12 @@ def run_lora(workdir: str) -> dict | None:
     return (json.load(f).get("model") or {}).get("lora")
 
 
+def run_init_from(workdir: str) -> str:
+  """A run's ``config.ckpt.init_from`` ("" when it started from its model.name)."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    return str((json.load(f).get("ckpt") or {}).get("init_from") or "")
+
+
 def load_run_checkpoint(workdir: str, step: int | None = None, dtype: Any = None):
   """(model, tokenizer, step) of a training run's checkpoint ``step`` (default: the newest).
 
@@ -73,8 +79,13 @@ def load_run_checkpoint(workdir: str, step: int | None = None, dtype: Any = None
   if dtype is None and run_dtype != "auto":
     dtype = run_dtype
   model, tokenizer = load_pretrained(name, dtype=dtype)
-  # A LoRA run's checkpoint holds the adapter only: the base is the run's model.name.
-  lora_lib.add_adapters(model, run_lora(workdir))
+  # A LoRA run's checkpoint holds the adapter only: the base is the run's model.name, or the
+  # run it started from (ckpt.init_from) when it names one.
+  lora = lora_lib.from_dict(run_lora(workdir))
+  init_from = run_init_from(workdir)
+  if lora.enabled and init_from:
+    load_params_into(model, init_from)
+  lora_lib.add_adapters(model, lora)
   params, step = restore_params(os.path.join(workdir, "checkpoints"),
                                 nnx.state(model, lora_lib.trainable(model.cfg)), step)
   nnx.update(model, params)
