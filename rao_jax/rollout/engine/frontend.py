@@ -426,8 +426,12 @@ class EmbeddedEngine(Engine):
       if new.shape != old.shape:
         raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
                          f"has {old.shape}; the configs differ.")
-      moved = jax.device_put(new, self._device, may_alias=False)   # new buffers
-      return moved if moved.dtype == old.dtype else moved.astype(old.dtype)
+      # device_put(may_alias=False) does not promise new buffers: from an array replicated
+      # over several devices (the learner's weights on a data-parallel mesh) to one of them,
+      # JAX hands back that device's own shard, which the learner's next step donates. So
+      # move (aliasing allowed), then copy once: astype or jnp.copy always write new buffers.
+      moved = jax.device_put(new, self._device)
+      return jnp.copy(moved) if moved.dtype == old.dtype else moved.astype(old.dtype)
     state = jax.tree.map(own, state, self._abstract_state)
     return nnx.merge(self._graphdef, state).inference_params()
 
