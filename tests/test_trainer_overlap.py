@@ -4,7 +4,9 @@ With float32 compute, `inference_params()` hands back the embedding (and the tie
 final norm) as the learner's own arrays; the learner donates its state to every step, so an
 engine built from `learner.model` (or updated from it) lost those arrays under rollouts in flight
 ("Array has been deleted"). The engine now copies every array it takes in (at construction
-and at every weight update): the sync boundary.
+and at every weight update): the sync boundary. A copy made by `jax.device_put` alone is not
+enough: from weights replicated over the learner's data-parallel mesh it returns the engine
+device's own shard (the trainer's run below met that buffer deleted under its rollouts).
 """
 import asyncio
 
@@ -65,6 +67,32 @@ def test_engine_survives_learner_steps_that_donate_its_source():
     learner.close()
 
 
+def test_engine_copies_weights_replicated_over_a_data_parallel_mesh():
+  # The trainer's learner (--config.learner.mesh=auto) replicates every weight over a "data"
+  # mesh; device_put(may_alias=False) from such an array to one of its devices returns that
+  # device's shard itself. An engine holding it served a buffer the learner's next step donates.
+  from flax import nnx
+  from rao_jax.model import Transformer, sharding
+  mesh = sharding.make_mesh(2, 1, 1)
+  graphdef, state = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+  state = jax.device_put(state, sharding.replicated(mesh))
+  # What the learner's step does to its state: a jitted update that donates it.
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5, s), donate_argnums=0)
+  engine = EmbeddedEngine(nnx.merge(graphdef, state), num_slots=1, max_len=32,
+                          chunk_sizes=(8,), prefill_rows=(1,))
+  try:
+    assert not _ptrs(engine.params) & _ptrs(state)
+    asyncio.run(engine.update_weights(nnx.merge(graphdef, state), 1))   # the sync's path
+    assert not _ptrs(engine.params) & _ptrs(state)
+    state = step(state)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(engine.params))
+    res = _generate(engine, seed=0)
+    assert res.finish_reason != rollout.FinishReason.ABORT, res.message
+    assert len(res.token_ids) == 6 and res.weight_version == 1
+  finally:
+    asyncio.run(engine.close())
+
+
 # ---- the trainer end to end: overlap on the embedded engine, then non-finite updates --------
 
 import dataclasses  # noqa: E402
@@ -102,16 +130,32 @@ def _rows(workdir):
 
 @pytest.mark.slow
 @pytest.mark.long   # a full multi-step Trainer run: 77-121 s on an idle 2-core machine
-# A known defect, found when this test joined CI (it fails the same way at 01f945c, while it
-# was gated out): with rl.overlap, once the learner's first step has run beside step 2's
-# rollouts, the engine's device calls meet a deleted buffer ("Buffer has been deleted or
-# donated", argument 0), so step 2's trees fail as infrastructure and the engine stops after
-# max_consecutive_faults. Strict: the test reports when a fix makes it pass.
-@pytest.mark.xfail(strict=True, reason="rl.overlap: engine calls meet a buffer deleted after "
-                   "the learner's first step (Buffer has been deleted or donated)")
-def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path):
+def test_trainer_overlap_three_steps_without_generation_errors(tiny_hf_dir, tmp_path,
+                                                              monkeypatch):
+  import threading
   from rao_jax import collection, trainer
   from rao_jax.agent import records as R
+  # On 2 busy CPU cores the learner's step can starve the engine until the new weights arrive,
+  # so that no turn of the next step's rollouts ends on the old ones (every node fresh: the
+  # overlap then shows nowhere). Each update that has rollouts beside it first waits for one
+  # engine result, so some turn surely ends on the old weights.
+  finished = threading.Event()
+  real_finish, real_step = EmbeddedEngine._finish, Learner.step
+
+  def finish(self, *args, **kwargs):
+    try:
+      return real_finish(self, *args, **kwargs)
+    finally:
+      finished.set()
+
+  def step(self, *args, **kwargs):
+    if self.step_count < 2:   # updates 1 and 2 run beside steps 2 and 3's rollouts
+      finished.clear()        # this step's own rollouts have all ended
+      finished.wait(timeout=120)
+    return real_step(self, *args, **kwargs)
+
+  monkeypatch.setattr(EmbeddedEngine, "_finish", finish)
+  monkeypatch.setattr(Learner, "step", step)
   wd = str(tmp_path / "run")
   res = trainer.train(_config(tiny_hf_dir, 3), wd)
   assert res["step"] == 3 and not res["stopped"]
