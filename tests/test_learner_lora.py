@@ -191,3 +191,18 @@ def test_memory_plan_counts_moments_and_gradients_of_the_adapter_only():
   assert lora["optimizer"] == 2 * n_adapter * 4 < full["optimizer"]
   assert lora["gradients"] < full["gradients"]
   assert lora["params"] > full["params"]   # the base plus the adapter
+
+
+def test_lora_on_a_sharded_mesh_matches_one_device():
+  """The adapter is replicated (small) while the frozen base shards over fsdp and tensor:
+  the same update as on one device."""
+  from rao_jax.model import sharding
+  cfg = lcfg()
+  mcfg = dataclasses.replace(tiny_model_config(), lora=lora_lib.from_dict(LORA))
+  one = Learner(cfg, mcfg)
+  mesh = Learner(cfg, mcfg, mesh=sharding.make_mesh(2, 2, 2))
+  batch = _batch(cfg)
+  m1, m8 = one.step(batch), mesh.step(batch)
+  np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(mesh.params)):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-6)
