@@ -17,7 +17,7 @@ Two stages, each resumable (a finished stage is read back, not run again):
    delegating share and tree depth, and the learner's seconds, against full fine-tuning's
    seconds on the same batch (the pick stage's figures).
 
-    python benchmarks/bench_lora_rl.py [--stages=pick,run] [--steps=3]
+    python benchmarks/bench_lora_rl.py [--lora_stages=pick,run] [--lora_steps=3]
 
 Writes benchmarks/results/bench_lora_rl.json (both stages) and prints its summary as one JSON
 line.
@@ -37,21 +37,21 @@ from absl import flags
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-_WORKDIR = flags.DEFINE_string("bench_workdir", "runs/recursion",
+_WORKDIR = flags.DEFINE_string("lora_workdir", "runs/recursion",
                                "The recursion experiment's workdir (warm start reused).")
 _TREES = flags.DEFINE_string(
-    "train_trees", "runs/recursion/bench_rl_step/after/trees/step_000000.jsonl",
+    "lora_train_trees", "runs/recursion/bench_rl_step/after/trees/step_000000.jsonl",
     "Train trees sampled by the warm start (bench_rl_step's first step).")
-_STAGES = flags.DEFINE_list("stages", ["pick", "run"], "Stages to run: pick, run.")
-_RANK = flags.DEFINE_integer("rank", 8, "Adapter rank (every projection).")
-_ALPHA = flags.DEFINE_float("alpha", 16.0, "Adapter alpha.")
+_STAGES = flags.DEFINE_list("lora_stages", ["pick", "run"], "Stages to run: pick, run.")
+_RANK = flags.DEFINE_integer("lora_rank", 8, "Adapter rank (every projection).")
+_ALPHA = flags.DEFINE_float("lora_alpha", 16.0, "Adapter alpha.")
 _LORA_LRS = flags.DEFINE_list("lora_lrs", ["3e-5", "1e-4", "3e-4", "1e-3"],
                               "Candidate adapter learning rates.")
-_FULL_LRS = flags.DEFINE_list("full_lrs", ["2e-6", "2e-5"],
+_FULL_LRS = flags.DEFINE_list("lora_full_lrs", ["2e-6", "2e-5"],
                               "Full fine-tuning references: changed nothing, broke the program.")
-_STEPS = flags.DEFINE_integer("steps", 3, "RL steps of the run stage.")
-_LR = flags.DEFINE_float("lr", 0.0, "Override the picked adapter rate (0: the pick's).")
-_OUT = flags.DEFINE_string("bench_out", "benchmarks/results/bench_lora_rl.json", "Result JSON.")
+_STEPS = flags.DEFINE_integer("lora_steps", 3, "RL steps of the run stage.")
+_LR = flags.DEFINE_float("lora_lr", 0.0, "Override the picked adapter rate (0: the pick's).")
+_OUT = flags.DEFINE_string("lora_out", "benchmarks/results/bench_lora_rl.json", "Result JSON.")
 
 
 def log(msg):
@@ -177,7 +177,7 @@ def run_stage(result: dict) -> None:
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top
   lr = _LR.value or result.get("pick", {}).get("picked_lr")
   if not lr:
-    raise app.UsageError("run: no picked rate; run --stages=pick first or pass --lr.")
+    raise app.UsageError("run: no picked rate; run --lora_stages=pick first or pass --lora_lr.")
   config, s = _config(float(lr), _RANK.value)
   config.total_steps = _STEPS.value
   wd = os.path.join(os.path.abspath(_WORKDIR.value), "bench_lora_rl", f"run_lr{lr:g}")
