@@ -98,31 +98,32 @@ SHARED_WARM_START = ("deep",)
 SIZES = (1, 2, 4, 8)
 
 # What the paper (and the RAO authors' code, where it differs from the spec) says about each
-# variant against full RAO: the metric the claim is about and the direction it expects
+# variant against full RAO: the metrics the claim is about, each with the direction it expects
 # (-1 lower, +1 higher, 0 no difference).
 CLAIMS = {
-    "no_depth_weights": ("success", -1, "paper Fig. 8: depth-weighted updates learn better than "
-                         "unweighted ones (deep, numerous nodes dominate without the weights)"),
-    "root_reward": ("success", -1, "paper Fig. 8: dense node rewards beat root-only rewards "
+    "no_depth_weights": ({"success": -1}, "paper Fig. 8: depth-weighted updates learn better "
+                         "than unweighted ones (deep, numerous nodes dominate without them)"),
+    "root_reward": ({"success": -1}, "paper Fig. 8: dense node rewards beat root-only rewards "
                     "(a helper's own outcome is better credit than its tree's)"),
-    "count_bonus": ("helpers_per_agent", +1, "paper Fig. 9: a bonus on the count of successful "
-                    "children is hacked (more spawns, longer runs); the authors' code went from "
-                    "rewarding a launch to rewarding a successful launch"),
-    "lambda0": ("delegating", -1, "RAO_SPEC: the bonus rewards productive delegation; without "
-                "it less (or slower) delegation"),
-    "lambda04": ("success", 0, "a slightly weaker bonus: RAO's design expects no difference"),
-    "group_mean": ("success", 0, "the spec's leave-one-out baseline; a group mean scales each "
+    "count_bonus": ({"helpers_per_agent": +1, "nodes_per_tree": +1, "pass_through": +1},
+                    "paper Fig. 9: a bonus on the count of successful children is hacked (more "
+                    "spawns, longer runs); the authors' code went from rewarding a launch to "
+                    "rewarding a successful launch"),
+    "lambda0": ({"delegating": -1}, "RAO_SPEC: the bonus rewards productive delegation; "
+                "without it less (or slower) delegation"),
+    "lambda04": ({"success": 0}, "a slightly weaker bonus: RAO's design expects no difference"),
+    "group_mean": ({"success": 0}, "the spec's leave-one-out baseline; a group mean scales each "
                    "advantage by (K-1)/K and is otherwise alike: no difference expected"),
-    "tree_advantage": ("success", -1, "per-node credit is the paper's point: crediting every "
+    "tree_advantage": ({"success": -1}, "per-node credit is the paper's point: crediting every "
                        "node with its tree's outcome should learn slower"),
-    "child_p025": ("learner_tokens", -1, "the authors' code keeps 1/4 of child data: far fewer "
-                   "learner tokens, with success expected about equal"),
-    "pass_through_gate": ("pass_through", -1, "the authors' code gates forwarding: fewer "
+    "child_p025": ({"learner_tokens": -1, "success": 0}, "the authors' code keeps 1/4 of the "
+                   "child data: far fewer learner tokens, success expected about equal"),
+    "pass_through_gate": ({"pass_through": -1}, "the authors' code gates forwarding: fewer "
                           "pass-throughs than RAO as specified, which pays the bonus for them"),
-    "train_roots": ("success", -1, "children must be trained (one policy at every depth)"),
-    "shuffled_baselines": ("success", 0, "a baseline that does not depend on the helper's action "
-                           "is unbiased: no difference expected at this scale"),
-    "flipped_sign": ("success", -1, "a flipped sign unlearns"),
+    "train_roots": ({"success": -1}, "children must be trained (one policy at every depth)"),
+    "shuffled_baselines": ({"success": 0}, "a baseline that does not depend on the helper's "
+                           "action is unbiased: no difference expected at this scale"),
+    "flipped_sign": ({"success": -1}, "a flipped sign unlearns"),
 }
 
 
@@ -311,21 +312,23 @@ def _paired(a: dict[int, dict], b: dict[int, dict], key: str) -> dict:
 
 
 def _verdict(variant: str, vs: dict) -> dict | None:
-  """The measured direction of a claim's metric beside the claim: agrees / disagrees / not
+  """Each claimed metric's measured direction beside the claim: agrees / disagrees / not
   significant at this scale."""
   if variant not in CLAIMS:
     return None
-  key, direction, text = CLAIMS[variant]
-  d = vs[key]
-  if not d["significant"]:
-    verdict = "agrees (no significant difference)" if direction == 0 else (
-        "not significant at this scale")
-  else:
-    sign = 1 if d["delta"] > 0 else -1
-    verdict = "agrees" if sign == direction else "disagrees"
-  return {"claim": text, "metric": key, "expected": {-1: "lower", 0: "equal", 1: "higher"}[
-      direction], "delta": round(d["delta"], 4), "ci95": [round(x, 4) for x in d["ci95"]],
-          "verdict": verdict}
+  expected, text = CLAIMS[variant]
+  out = {"claim": text, "metrics": {}}
+  for key, direction in expected.items():
+    d = vs[key]
+    if not d["significant"]:
+      verdict = "agrees (no significant difference)" if direction == 0 else (
+          "not significant at this scale")
+    else:
+      verdict = "agrees" if (1 if d["delta"] > 0 else -1) == direction else "disagrees"
+    out["metrics"][key] = {"expected": {-1: "lower", 0: "equal", 1: "higher"}[direction],
+                           "delta": round(d["delta"], 4),
+                           "ci95": [round(x, 4) for x in d["ci95"]], "verdict": verdict}
+  return out
 
 
 def _task_result(task: str, results: dict[str, dict[int, dict]]) -> dict:
@@ -527,7 +530,8 @@ def main() -> None:
                            ("success", "delegating", "helpers_per_agent", "pass_through",
                             "learner_tokens") if k in s}
                        for v, s in r["variants"].items()},
-          "claims": {v: c["verdict"] for v, c in r["claims"].items()},
+          "claims": {v: {k: m["verdict"] for k, m in c["metrics"].items()}
+                     for v, c in r["claims"].items()},
           "significant": {v: sorted(k for k, d in vs.items() if d["significant"])
                           for v, vs in r["vs_rao"].items()}}
       for t, r in out["tasks"].items()}
