@@ -139,3 +139,19 @@ def test_extra_helpers_are_allowed_and_cost_turns(runtime):
       assert t.nodes[0].success == (right if task.fields["k"] == 8 else 1.0)
       if task.fields["k"] == 8 and right:
         assert len(t.nodes) == 31
+
+
+def test_config_builds_translates_and_its_buckets_hold_the_largest_step():
+  from rao_jax import experiment as X
+  from rao_jax import trainer
+  c = cfg_lib.get_config("seed=3")
+  c.lock()
+  rc, lc = X.runner_config(c), X.learner_config(c, "/tmp/unused")
+  assert rc.recursive and rc.max_steps_per_agent == 1 and rc.max_new_tokens == 1
+  # The budget bounds depth before the runtime's limit does (k = 8: 46 -> 22 -> 10 -> 4 -> 1).
+  assert rc.max_depth > 4 and rc.max_live_agents >= D.tree_budget(8)
+  # One row per node, every tree at its largest (one node per step of its budget).
+  assert max(lc.bucket_rows) >= c.rl.group_size * c.rl.tasks_per_step * D.tree_budget(8)
+  assert X.make_env(c).cfg.seed == 3
+  assert cfg_lib.get_config("single").agent.mode == "single"
+  trainer._validate(X.rl_config(c), num_processes=1)  # pylint: disable=protected-access
