@@ -1,35 +1,59 @@
-"""The paper's credit-assignment ablations on the delegation micro-environment, over seeds.
+"""The paper's credit-assignment ablations on two delegation micro-environments, over seeds.
 
-    python benchmarks/bench_rao_ablations.py [--seeds=5] [--variants=rao,...] [--workdir=DIR]
+    python benchmarks/bench_rao_ablations.py [--seeds=deep:8,two_digit:5] [--tasks=deep,two_digit]
+        [--variants=rao,...] [--workers=2] [--workdir=DIR] [--out=PREFIX]
 
-Variants (config overrides of `experiments/configs/delegation.py`, each a real Trainer run of
-30 steps from the same warm start per seed, seeds run in rounds: every variant of seed 0, then
-of seed 1, ...):
-  rao                full RAO (lambda 0.5, leave-one-out from root rewards, depth weights)
-  no_depth_weights   w_d = 1 for every node
-  lambda0            no delegation bonus (R(v) = s(v))
+Tasks (each run is a real Trainer run of `--steps` RL steps from a warm start: one per seed
+for two_digit, one for every seed for deep, whose warm start costs ~3 CPU minutes):
+  deep       `experiments/configs/delegation_deep.py`: k in {1, 2, 4, 8} items, an agent answers
+             one item or splits its items between at most two helpers; helpers beyond the
+             split's needs (a pass-through, an echo) are allowed and cost turns.
+  two_digit  `experiments/configs/delegation.py`: two digits, one helper decision, two depths
+             (the fast delegation test's environment).
+
+Variants (config overrides; RAO is lambda 0.5, rate bonus, leave-one-out from root rewards,
+depth weights, dense node rewards, every node trained):
+  rao                full RAO
+  no_depth_weights   w_d = 1 for every node                                      (paper Fig. 8)
+  root_reward        s(v) := s(root) for every node: root-only rewards           (paper Fig. 8)
+  lambda0            no delegation bonus
+  lambda04           lambda = 0.4
+  count_bonus        bonus lambda * (number of successful children), not their rate (Fig. 9)
+  group_mean         baseline: the mean of all K roots' R instead of leave-one-out
   tree_advantage     every node gets its root's advantage (plain per-tree GRPO)
-  root_only          children leave the learner batch (rewards unchanged)
-  control            lr = 0: the warm start sampled for 30 steps
-and, for `tests/test_learns_to_delegate.py`'s figures, two deliberate breakages (not options
-of the library; patched into this process only):
+  child_p025         children kept in the learner batch with p = 0.25, not reweighted (the RAO
+                     authors' code)
+  pass_through_gate  R(v) = 0 for a node that only forwards its own goal to one child (the RAO
+                     authors' code)
+  train_roots        children leave the learner batch (rewards unchanged)
+  control            lr = 0: the warm start sampled for every step
+and two deliberate breakages (not options of the library; patched into the run only):
   shuffled_baselines every child takes the leave-one-out baseline of a tree of another group
   flipped_sign       every advantage negated
 
-Reported per variant: final success and delegating share, each as the mean over seeds of the
-run's last 10 training steps (sampled at temperature 1) and of a greedy held-out evaluation
-(the test split's 32 tasks, never trained on), with 95% t-intervals over seeds; the mean
-curves; and how many seeds pass the delegation test's verdict against that seed's control.
-Differences against `rao` are paired by seed (same warm start, same tasks per step): a t
+Reported per task and variant, as means over seeds with 95% t-intervals: final success and
+delegating share (the last 10 training steps, sampled at temperature 1), the greedy held-out
+success (the test split's 32 tasks, evaluated once at the end), helpers per agent (children
+per node), the share of delegating agents' helpers that are pass-throughs (given their
+parent's goal), nodes per tree, learner tokens per step, and (deep) the mean tree depth for
+each k before training (the warm start's first step, every run pooled) and at the end.
+Differences against `rao` are paired by seed (same warm start, same tasks at every step): a t
 interval over the seeds' differences; "significant" when it excludes 0.
 
-Every run writes its metrics under --workdir; a finished run is not run again, so an
-interrupted benchmark resumes. Progress goes to stderr, one JSON line to stdout, and with
---out the JSON and a plot are written.
+Runs execute in worker processes, one (task, seed) at a time, every variant of that seed in
+turn in one process (the compiled programs are shared); `--workers` of them run at once. The
+REPL of each agent is the in-process one (`rao_jax.agent.local_exec`), not a bwrap sandbox: the
+policy's only executable outputs are the tokenizer's fixed one-token cells, and starting one
+sandbox per node was ~95% of a step. Every run writes its metrics and trees under --workdir; a
+finished run is not run again, so an interrupted benchmark resumes. Progress goes to stderr,
+one JSON line to stdout, and with --out the JSON, the JSON line and a plot are written.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -46,13 +70,61 @@ if ROOT not in sys.path:
 VARIANTS = {
     "rao": {},
     "no_depth_weights": {"rl.depth_weights": False},
+    "root_reward": {"rl.node_rewards": "root"},
     "lambda0": {"rl.lam": 0.0},
+    "lambda04": {"rl.lam": 0.4},
+    "count_bonus": {"rl.bonus": "count"},
+    "group_mean": {"rl.baseline": "group_mean"},
     "tree_advantage": {"rl.advantage": "tree"},
-    "root_only": {"rl.train_nodes": "root"},
+    "child_p025": {"rl.child_keep_prob": 0.25},
+    "pass_through_gate": {"rl.pass_through_gate": True},
+    "train_roots": {"rl.train_nodes": "root"},
     "control": {"optim.lr": 0.0},
 }
 BREAKAGES = ("shuffled_baselines", "flipped_sign")
+TASKS = {
+    "deep": ("experiments.configs.delegation_deep",
+             ("rao", "no_depth_weights", "root_reward", "lambda0", "lambda04", "count_bonus",
+              "group_mean", "tree_advantage", "child_p025", "shuffled_baselines",
+              "pass_through_gate", "control")),
+    "two_digit": ("experiments.configs.delegation",
+                  ("rao", "no_depth_weights", "lambda0", "tree_advantage", "train_roots",
+                   "control", "shuffled_baselines", "flipped_sign")),
+}
 LAST = 10   # training steps averaged for "final" figures
+# Tasks whose seeds share one warm start: the deep one's takes ~3 CPU minutes (80 supervised
+# steps on its larger trees), which per seed would not fit the benchmark's hour.
+SHARED_WARM_START = ("deep",)
+SIZES = (1, 2, 4, 8)
+
+# What the paper (and the RAO authors' code, where it differs from the spec) says about each
+# variant against full RAO: the metrics the claim is about, each with the direction it expects
+# (-1 lower, +1 higher, 0 no difference).
+CLAIMS = {
+    "no_depth_weights": ({"success": -1}, "paper Fig. 8: depth-weighted updates learn better "
+                         "than unweighted ones (deep, numerous nodes dominate without them)"),
+    "root_reward": ({"success": -1}, "paper Fig. 8: dense node rewards beat root-only rewards "
+                    "(a helper's own outcome is better credit than its tree's)"),
+    "count_bonus": ({"helpers_per_agent": +1, "nodes_per_tree": +1, "pass_through": +1},
+                    "paper Fig. 9: a bonus on the count of successful children is hacked (more "
+                    "spawns, longer runs); the authors' code went from rewarding a launch to "
+                    "rewarding a successful launch"),
+    "lambda0": ({"delegating": -1}, "RAO_SPEC: the bonus rewards productive delegation; "
+                "without it less (or slower) delegation"),
+    "lambda04": ({"success": 0}, "a slightly weaker bonus: RAO's design expects no difference"),
+    "group_mean": ({"success": 0}, "the spec's leave-one-out baseline; a group mean scales each "
+                   "advantage by (K-1)/K and is otherwise alike: no difference expected"),
+    "tree_advantage": ({"success": -1}, "per-node credit is the paper's point: crediting every "
+                       "node with its tree's outcome should learn slower"),
+    "child_p025": ({"learner_tokens": -1, "success": 0}, "the authors' code keeps 1/4 of the "
+                   "child data: far fewer learner tokens, success expected about equal"),
+    "pass_through_gate": ({"pass_through": -1}, "the authors' code gates forwarding: fewer "
+                          "pass-throughs than RAO as specified, which pays the bonus for them"),
+    "train_roots": ({"success": -1}, "children must be trained (one policy at every depth)"),
+    "shuffled_baselines": ({"success": 0}, "a baseline that does not depend on the helper's "
+                           "action is unbiased: no difference expected at this scale"),
+    "flipped_sign": ({"success": -1}, "a flipped sign unlearns"),
+}
 
 
 def _cpu_name() -> str:
@@ -66,13 +138,13 @@ def _cpu_name() -> str:
   return platform.processor() or "unknown"
 
 
-def _patch_breakage(name: str) -> None:
-  """Installs a deliberate credit-assignment bug in this process's learner."""
+@contextlib.contextmanager
+def _breakage(name: str):
+  """Installs a deliberate credit-assignment bug in this process's learner, then removes it."""
   from rao_jax.learner import rewards, step as step_lib
   real = rewards.compute_rewards_and_advantages
 
   def broken(trees, *args, **kwargs):
-    import dataclasses
     adv = real(trees, *args, **kwargs)
     a = adv.advantage_N.copy()
     if name == "flipped_sign":
@@ -88,39 +160,104 @@ def _patch_breakage(name: str) -> None:
     return dataclasses.replace(adv, advantage_N=a)
 
   step_lib.compute_rewards_and_advantages = broken
+  try:
+    yield
+  finally:
+    step_lib.compute_rewards_and_advantages = real
 
 
-def run_one(variant: str, seed: int, workdir: str) -> None:
-  """One training run (in its own process: a breakage patch never leaks into another run)."""
-  from experiments.configs import delegation as cfg_lib
+def run_seed(task: str, seed: int, variants: list[str], workdir: str, steps: int) -> None:
+  """Every variant of one (task, seed), in this process, skipping finished runs."""
+  import importlib
+  from rao_jax import experiment as X
   from rao_jax import trainer
-  # Up to 256 supervised steps: the copying circuit forms at a seed-dependent step (44 on
-  # seed 0; seed 1 had helpers at 0.25 after 96).
-  c = cfg_lib.setup(os.path.join(workdir, f"seed{seed}"), f"seed={seed}", max_steps=256)
-  for key, value in VARIANTS.get(variant, {}).items():
-    section, field = key.split(".")
-    c[section][field] = value
-  if variant in BREAKAGES:
-    _patch_breakage(variant)
-  c.eval.every = c.total_steps   # one greedy held-out evaluation, at the end
-  trainer.train(c, os.path.join(workdir, f"seed{seed}", variant))
+  from rao_jax.agent import local_exec
+  # The cells are fixed one-token strings (see the module doc): the in-process REPL runs them.
+  X.sandbox_pool = lambda config: local_exec.LocalReplPool()
+  cfg_lib = importlib.import_module(TASKS[task][0])
+  base = os.path.join(workdir, task, f"seed{seed}")
+  for v in variants:
+    run_dir = os.path.join(base, v)
+    if _read(run_dir, steps, task) is not None:
+      continue
+    if os.path.isdir(run_dir):   # a run cut short: start it again
+      subprocess.run(["rm", "-rf", run_dir], check=True)
+    # Up to 256 supervised steps: the copying circuit forms at a seed-dependent step.
+    if task in SHARED_WARM_START:
+      # One warm start (seed 0's) for every seed: the seed still draws the tasks, the RL
+      # samples and the learner's randomness.
+      shared = cfg_lib.setup(os.path.join(workdir, task, "shared"), "seed=0", max_steps=256)
+      c = cfg_lib.get_config(f"seed={seed}")
+      c.model.name = shared.model.name
+    else:
+      c = cfg_lib.setup(base, f"seed={seed}", max_steps=256)
+    c.total_steps = steps
+    for key, value in VARIANTS.get(v, {}).items():
+      section, field = key.split(".")
+      c[section][field] = value
+    c.eval.every = c.total_steps   # one greedy held-out evaluation, at the end
+    t0 = time.time()
+    with _breakage(v) if v in BREAKAGES else contextlib.nullcontext():
+      trainer.train(c, run_dir)
+    print(f"  {task} seed {seed} {v}: {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
-def _read(run_dir: str) -> dict | None:
+# -- reading runs ---------------------------------------------------------------------------
+
+
+def _tree_figures(trees) -> dict:
+  """Helpers per agent, pass-through share, nodes and depth (per k where the env names it)."""
+  nodes = sum(len(t.nodes) for t in trees)
+  kids, same = 0, 0
+  depth_by_k: dict[int, list[int]] = {}
+  for t in trees:
+    by_id = {n.node_id: n for n in t.nodes}
+    for n in t.nodes:
+      for c in n.children:
+        if c in by_id:
+          kids += 1
+          same += by_id[c].goal.strip() == n.goal.strip()
+    k = t.meta.get("episode", {}).get("k")
+    if k is not None:
+      depth_by_k.setdefault(int(k), []).append(max(n.depth for n in t.nodes))
+  return {"helpers_per_agent": kids / max(nodes, 1), "pass_through": same / kids if kids else 0.0,
+          "nodes_per_tree": nodes / max(len(trees), 1),
+          "depth_by_k": {k: float(np.mean(v)) for k, v in depth_by_k.items()}}
+
+
+def _read(run_dir: str, steps: int, task: str) -> dict | None:
+  from rao_jax.agent import records
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.exists(path):
     return None
   rows = [json.loads(line) for line in open(path)]
   train = [r for r in rows if "train/success" in r]
   evals = [r for r in rows if "eval/success_all" in r]
-  if len(train) < 30 or not evals:
+  if len(train) < steps or not evals:
     return None
-  return {"success": [r["train/success"] for r in train],
-          "delegating": [r.get("train/delegating_share", 0.0) for r in train],
-          "child_success": [r.get("train/rl/success/depth_1", np.nan) for r in train],
-          "eval_success": evals[-1]["eval/success_all"],
-          "eval_delegating": evals[-1].get("eval/delegating_share", 0.0),
-          "minutes": sum(r.get("train/time/step_s", 0.0) for r in train) / 60}
+  tdir = os.path.join(run_dir, "trees")
+  last = [t for s in range(max(steps - LAST, 0), steps)
+          for t in records.load_trees_jsonl(os.path.join(tdir, f"step_{s:06d}.jsonl"))]
+  # The policy before training: an lr=0 run's every step; else any run's first step.
+  first = [t for s in (range(steps) if os.path.basename(run_dir) == "control" else [0])
+           for t in records.load_trees_jsonl(os.path.join(tdir, f"step_{s:06d}.jsonl"))]
+  edir = sorted(d for d in os.listdir(os.path.join(run_dir, "eval")))[-1]
+  held = records.load_trees_jsonl(os.path.join(run_dir, "eval", edir, "trees.jsonl"))
+  out = {"success": [r["train/success"] for r in train],
+         "delegating": [r.get("train/delegating_share", 0.0) for r in train],
+         "child_success": [r.get("train/rl/success/depth_1", np.nan) for r in train],
+         "depth": [r.get("train/tree_depth", 0.0) for r in train],
+         "helpers": [r.get("train/tree_nodes", 1.0) for r in train],
+         "learner_tokens": [r.get("train/learner/batch/real_tokens", 0.0) for r in train],
+         "eval_success": evals[-1]["eval/success_all"],
+         "eval_delegating": evals[-1].get("eval/delegating_share", 0.0),
+         "minutes": sum(r.get("train/time/step_s", 0.0) for r in train) / 60,
+         "last": _tree_figures(last), "first": _tree_figures(first),
+         "held_out": _tree_figures(held)}
+  return out
+
+
+# -- statistics ------------------------------------------------------------------------------
 
 
 def _ci95(x) -> list[float]:
@@ -132,154 +269,280 @@ def _ci95(x) -> list[float]:
   return [float(x.mean() - half), float(x.mean() + half)]
 
 
-def _summary(runs: dict[int, dict], controls: dict[int, dict]) -> dict:
-  from experiments.configs import delegation as cfg_lib
+def _finals(r: dict) -> dict[str, float]:
+  """One run's final figures (the quantities compared between variants)."""
+  out = {"success": float(np.mean(r["success"][-LAST:])),
+         "delegating": float(np.mean(r["delegating"][-LAST:])),
+         "eval_success": float(r["eval_success"]),
+         "helpers_per_agent": r["last"]["helpers_per_agent"],
+         "pass_through": r["last"]["pass_through"],
+         "nodes_per_tree": r["last"]["nodes_per_tree"],
+         "learner_tokens": float(np.mean(r["learner_tokens"][-LAST:]))}
+  for k, d in r["last"]["depth_by_k"].items():
+    out[f"depth_k{k}"] = d
+  for k, d in r["held_out"]["depth_by_k"].items():
+    out[f"eval_depth_k{k}"] = d
+  return out
+
+
+def _stat(vals) -> dict:
+  return {"mean": float(np.mean(vals)), "ci95": _ci95(vals)}
+
+
+def _summary(runs: dict[int, dict]) -> dict:
   seeds = sorted(runs)
+  finals = {s: _finals(runs[s]) for s in seeds}
+  keys = sorted(set.intersection(*(set(f) for f in finals.values())))
   out = {"seeds": seeds}
-  for key, final in (("success", lambda r: np.mean(r["success"][-LAST:])),
-                     ("delegating", lambda r: np.mean(r["delegating"][-LAST:])),
-                     ("eval_success", lambda r: r["eval_success"]),
-                     ("eval_delegating", lambda r: r["eval_delegating"])):
-    vals = [float(final(runs[s])) for s in seeds]
-    out[key] = {"mean": float(np.mean(vals)), "ci95": _ci95(vals), "per_seed": vals}
+  for key in keys:
+    vals = [finals[s][key] for s in seeds]
+    out[key] = _stat(vals) | {"per_seed": [round(v, 4) for v in vals]}
   out["curves"] = {k: np.nanmean([runs[s][k] for s in seeds], axis=0).round(4).tolist()
-                   for k in ("success", "delegating", "child_success")}
-  verdicts = [cfg_lib.learning_verdict(runs[s], controls[s]) for s in seeds if s in controls]
-  out["test_passes"] = f"{sum(v['passes'] for v in verdicts)}/{len(verdicts)}"
-  out["test_figures"] = [{k: round(v[k], 3) for k in v if k not in ("report", "passes")}
-                         | {"passes": v["passes"]} for v in verdicts]
+                   for k in ("success", "delegating", "child_success", "depth")}
   out["minutes_per_run"] = float(np.mean([runs[s]["minutes"] for s in seeds]))
   return out
 
 
 def _paired(a: dict[int, dict], b: dict[int, dict], key: str) -> dict:
   seeds = sorted(set(a) & set(b))
-  d = [np.mean(a[s][key][-LAST:]) - np.mean(b[s][key][-LAST:]) for s in seeds]
+  d = [_finals(a[s]).get(key, np.nan) - _finals(b[s]).get(key, np.nan) for s in seeds]
   ci = _ci95(d)
   return {"delta": float(np.mean(d)), "ci95": ci, "n": len(seeds),
-          "significant": bool(ci[0] > 0 or ci[1] < 0)}
+          "significant": bool(len(seeds) >= 2 and (ci[0] > 0 or ci[1] < 0))}
 
 
-# What the paper reports or implies about each ablation, to compare directions with.
-CLAIMS = {
-    "no_depth_weights": "the paper's depth weights keep deep, numerous nodes from dominating "
-                        "the update; without them it expects worse or equal results",
-    "lambda0": "the delegation bonus rewards productive delegation; without it the paper "
-               "expects less (or slower) delegation",
-    "tree_advantage": "per-node credit is the paper's point: crediting every node with its "
-                      "tree's outcome should learn slower",
-    "root_only": "children must be trained (the policy is shared across depths): root-only "
-                 "training should not teach the helpers their parts",
-}
+def _verdict(variant: str, vs: dict) -> dict | None:
+  """Each claimed metric's measured direction beside the claim: agrees / disagrees / not
+  significant at this scale."""
+  if variant not in CLAIMS:
+    return None
+  expected, text = CLAIMS[variant]
+  out = {"claim": text, "metrics": {}}
+  for key, direction in expected.items():
+    d = vs[key]
+    if not d["significant"]:
+      verdict = "agrees (no significant difference)" if direction == 0 else (
+          "not significant at this scale")
+    else:
+      verdict = "agrees" if (1 if d["delta"] > 0 else -1) == direction else "disagrees"
+    out["metrics"][key] = {"expected": {-1: "lower", 0: "equal", 1: "higher"}[direction],
+                           "delta": round(d["delta"], 4),
+                           "ci95": [round(x, 4) for x in d["ci95"]], "verdict": verdict}
+  return out
+
+
+def _task_result(task: str, results: dict[str, dict[int, dict]]) -> dict:
+  names = [v for v in results if results[v]]
+  out = {"variants": {v: _summary(results[v]) for v in names}, "vs_rao": {}, "claims": {}}
+  if "rao" in names:
+    keys = [k for k in _finals(next(iter(results["rao"].values())))]
+    for v in names:
+      if v == "rao":
+        continue
+      out["vs_rao"][v] = {k: _paired(results[v], results["rao"], k) for k in keys}
+      claim = _verdict(v, out["vs_rao"][v])
+      if claim is not None:
+        out["claims"][v] = claim
+  if task == "two_digit" and results.get("control"):
+    # The fast delegation test's verdict (experiments/configs/delegation.py), run by run
+    # against the same seed's lr=0 control.
+    from experiments.configs import delegation as cfg_lib
+    for v in names:
+      verdicts = [cfg_lib.learning_verdict(results[v][s], results["control"][s])
+                  for s in sorted(results[v]) if s in results["control"]]
+      out["variants"][v]["test_passes"] = (f"{sum(x['passes'] for x in verdicts)}/"
+                                           f"{len(verdicts)}")
+  if task == "deep":
+    # Depth by k before training: the lr=0 control's runs (the warm start sampled at every
+    # step, and its greedy held-out trees) when there are some, else every run's first step;
+    # after: full RAO's last steps and its greedy held-out trees, per seed.
+    before, before_held = {}, {}
+    for v in (["control"] if results.get("control") else names):
+      for r in results[v].values():
+        for k, d in r["first"]["depth_by_k"].items():
+          before.setdefault(int(k), []).append(d)
+        if v == "control":
+          for k, d in r["held_out"]["depth_by_k"].items():
+            before_held.setdefault(int(k), []).append(d)
+    out["adaptive_depth"] = {
+        "before": {f"k{k}": _stat(before[k]) for k in sorted(before)},
+        "before_held_out": {f"k{k}": _stat(before_held[k]) for k in sorted(before_held)},
+        "after": {f"k{k}": out["variants"]["rao"][f"depth_k{k}"] for k in SIZES
+                  if f"depth_k{k}" in out["variants"].get("rao", {})},
+        "after_held_out": {f"k{k}": out["variants"]["rao"][f"eval_depth_k{k}"] for k in SIZES
+                           if f"eval_depth_k{k}" in out["variants"].get("rao", {})},
+        "perfect_tree": {f"k{k}": float(np.log2(k)) for k in SIZES},
+        "note": "mean max depth of a tree (root 0) by its k, with 95% intervals over seeds; "
+                "before: the lr=0 control runs (the warm start sampled at temperature 1 at "
+                "every step; held-out: its greedy evaluation); after: the last 10 steps of "
+                "full RAO (sampled), and its greedy evaluation on the held-out split"}
+  return out
+
+
+# -- plot -------------------------------------------------------------------------------------
 
 
 def _plot(result: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-  for name, v in result["variants"].items():
-    for ax, key in zip(axes, ("success", "delegating", "child_success")):
-      ax.plot(np.arange(1, len(v["curves"][key]) + 1), v["curves"][key], label=name,
-              ls="--" if name in BREAKAGES or name == "control" else "-")
-  for ax, title in zip(axes, ("root success (train, sampled)", "share of trees that delegate",
-                              "helpers' success (depth 1)")):
-    ax.set_title(title)
-    ax.set_xlabel("RL step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
-  n = len(result["variants"].get("rao", {}).get("seeds", []))
-  fig.suptitle(f"RAO ablations on the delegation micro-environment (means over {n} seeds)")
+  tasks = [t for t in ("deep", "two_digit") if t in result["tasks"]]
+  fig, axes = plt.subplots(len(tasks), 4, figsize=(20, 4.4 * len(tasks)), squeeze=False)
+  for row, task in zip(axes, tasks):
+    res = result["tasks"][task]
+    for name, v in res["variants"].items():
+      ls = "--" if name in BREAKAGES or name == "control" else "-"
+      for ax, key in zip(row[:3], ("success", "delegating", "depth")):
+        # A step holds 2 tasks (deep: of random k), so a 5-step moving mean shows the trend.
+        y = np.convolve(v["curves"][key], np.ones(5) / 5, mode="valid")
+        ax.plot(np.arange(5, len(y) + 5), y, label=name, ls=ls,
+                lw=2.2 if name == "rao" else 1.2)
+    for ax, title in zip(row[:3], ("root success (train)", "trees delegating",
+                                   "mean tree depth")):
+      title += " (5-step mean)"
+      ax.set_title(f"{task}: {title}")
+      ax.set_xlabel("RL step")
+      ax.grid(alpha=0.3)
+    row[0].legend(fontsize=7)
+    ax = row[3]
+    if task == "deep" and "adaptive_depth" in res:
+      ad = res["adaptive_depth"]
+      ks = list(SIZES)
+      for label, d, mk in (("before (warm start, sampled)", ad["before"], "o"),
+                           ("before (warm start, greedy held-out)", ad["before_held_out"], "v"),
+                           ("after (RAO, sampled)", ad["after"], "s"),
+                           ("after (RAO, greedy held-out)", ad["after_held_out"], "^"),
+                           ("perfect split tree", {k: {"mean": v} for k, v in
+                                                   ad["perfect_tree"].items()}, "x")):
+        ys = [d.get(f"k{k}", {}).get("mean", np.nan) for k in ks]
+        ax.plot(ks, ys, marker=mk, label=label)
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("k (items of the task)")
+      ax.set_title("deep: mean tree depth by k")
+      ax.legend(fontsize=8)
+      ax.grid(alpha=0.3)
+    else:
+      names = list(res["variants"])
+      means = [res["variants"][n]["success"]["mean"] for n in names]
+      errs = [[m - res["variants"][n]["success"]["ci95"][0] for n, m in zip(names, means)],
+              [res["variants"][n]["success"]["ci95"][1] - m for n, m in zip(names, means)]]
+      ax.barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
+      ax.set_title(f"{task}: final success, 95% CI over seeds")
+      ax.grid(alpha=0.3, axis="x")
+  fig.suptitle(f"RAO ablations on the delegation micro-environments (seeds "
+               f"{result['seeds']}, {result['steps']} RL steps; means over seeds)")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def _worker(task: str, seed: int, variants: list[str], workdir: str, steps: int) -> float:
+  t0 = time.time()
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  # Every run compiles the same programs: XLA's persistent cache compiles them once.
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+  with open(os.path.join(workdir, f"log_{task}_seed{seed}.txt"), "a") as log:
+    subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={task}", f"--seed={seed}",
+                    f"--variants={','.join(variants)}", f"--workdir={workdir}",
+                    f"--steps={steps}"], check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=log)
+  return time.time() - t0
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--seeds", type=int, default=5)
-  p.add_argument("--variants", default=",".join(list(VARIANTS) + list(BREAKAGES)))
+  p.add_argument("--seeds", default="deep:8,two_digit:5", help="seeds per task, "
+                 "'task:n,...' (or one n for every task)")
+  p.add_argument("--tasks", default="deep,two_digit")
+  p.add_argument("--variants", default="", help="comma-separated; default: each task's set")
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--workers", type=int, default=2)
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "rao_ablations"))
-  p.add_argument("--out", default="", help="path prefix for .json and .png (e.g. "
+  p.add_argument("--out", default="", help="path prefix for .json, .line.json and .png (e.g. "
                  "benchmarks/results/rao_ablations)")
   p.add_argument("--report_only", action="store_true", help="run nothing: summarise the runs "
                  "finished under --workdir (each variant over the seeds it has)")
+  p.add_argument("--note", default="", help="a sentence for the JSON (e.g. what shared the "
+                 "machine)")
+  p.add_argument("--earlier_minutes", type=float, default=0.0, help="wall minutes of earlier "
+                 "invocations that filled --workdir (added to minutes_total)")
   p.add_argument("--one", default="", help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
-  if args.one:
-    run_one(args.one, args.seed, args.workdir)
-    return
-  names = [v.strip() for v in args.variants.split(",") if v.strip()]
-  unknown = [v for v in names if v not in VARIANTS and v not in BREAKAGES]
+  tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+  unknown = [t for t in tasks if t not in TASKS] + [
+      v for v in args.variants.split(",") if v and v not in VARIANTS and v not in BREAKAGES]
   if unknown:
-    sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS) + list(BREAKAGES)}.")
-  if "control" not in names:
-    names.append("control")   # every verdict needs its seed's control
+    sys.exit(f"unknown tasks or variants {unknown}; tasks {list(TASKS)}, variants "
+             f"{list(VARIANTS) + list(BREAKAGES)}.")
+  if args.one:
+    run_seed(args.one, args.seed, args.variants.split(","), args.workdir, args.steps)
+    return
+  plan = {t: ([v for v in args.variants.split(",") if v] or list(TASKS[t][1])) for t in tasks}
+  if ":" in args.seeds:
+    seeds = {t: int(n) for t, n in (x.split(":") for x in args.seeds.split(","))}
+  else:
+    seeds = {t: int(args.seeds) for t in tasks}
+  seeds = {t: seeds.get(t, 0) for t in tasks}
+  os.makedirs(args.workdir, exist_ok=True)
   t0 = time.time()
-  results: dict[str, dict[int, dict]] = {v: {} for v in names}
-  for seed in range(args.seeds):
-    for v in names:
-      run_dir = os.path.join(args.workdir, f"seed{seed}", v)
-      got = _read(run_dir)
-      if got is None and args.report_only:
-        continue
-      if got is None:
-        print(f"[{time.time() - t0:7.0f}s] seed {seed} {v}: running", file=sys.stderr,
-              flush=True)
-        if os.path.isdir(run_dir):   # a run cut short: start it again
-          subprocess.run(["rm", "-rf", run_dir], check=True)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        # Every run compiles the same programs: XLA's persistent cache compiles them once.
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.workdir, "jax_cache"))
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
-        subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={v}",
-                        f"--seed={seed}", f"--workdir={args.workdir}"], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
-        got = _read(run_dir)
-        if got is None:
-          sys.exit(f"{run_dir}: the run ended without 30 steps and an evaluation.")
-      results[v][seed] = got
-      print(f"[{time.time() - t0:7.0f}s] seed {seed} {v}: final success "
-            f"{np.mean(got['success'][-LAST:]):.2f}, delegating "
-            f"{np.mean(got['delegating'][-LAST:]):.2f}, held-out {got['eval_success']:.2f}",
-            file=sys.stderr, flush=True)
-  names = [v for v in names if results[v]]
-  out = {"benchmark": "rao_ablations", "cpu": _cpu_name(), "seeds": args.seeds,
-         "steps": 30, "final": f"mean of the last {LAST} training steps",
-         "variants": {v: _summary(results[v], results["control"]) for v in names
-                      if v not in BREAKAGES},
-         "breakages": {v: _summary(results[v], results["control"]) for v in names
-                       if v in BREAKAGES},
-         "vs_rao": {}, "claims": {}}
-  if "rao" in names:
-    for v in names:
-      if v == "rao":
-        continue
-      out["vs_rao"][v] = {key: _paired(results[v], results["rao"], key)
-                          for key in ("success", "delegating")}
-      if v in CLAIMS:
-        d = out["vs_rao"][v]
-        sign = lambda x: ("lower" if x["delta"] < 0 else "higher") + (
-            " (significant)" if x["significant"] else " (not significant)")
-        out["claims"][v] = {"paper": CLAIMS[v],
-                            "measured": f"success {sign(d['success'])}, delegating "
-                                        f"{sign(d['delegating'])} than full RAO"}
+  if not args.report_only:
+    # Seeds in rounds; a (task, seed) whose runs are all finished is not started again.
+    jobs = [(t, s) for s in range(max(seeds.values())) for t in tasks if s < seeds[t]
+            and any(_read(os.path.join(args.workdir, t, f"seed{s}", v), args.steps, t) is None
+                    for v in plan[t])]
+    with concurrent.futures.ThreadPoolExecutor(max(args.workers, 1)) as pool:
+      futures = {pool.submit(_worker, t, s, plan[t], args.workdir, args.steps): (t, s)
+                 for t, s in jobs}
+      for f in concurrent.futures.as_completed(futures):
+        t, s = futures[f]
+        print(f"[{time.time() - t0:7.0f}s] {t} seed {s}: done in {f.result():.0f}s",
+              file=sys.stderr, flush=True)
+  out = {"benchmark": "rao_ablations", "cpu": _cpu_name(), "seeds": seeds,
+         "warm_start": {t: "one for every seed (seed 0's)" if t in SHARED_WARM_START
+                        else "one per seed" for t in tasks},
+         "steps": args.steps, "final": f"mean of the last {LAST} training steps",
+         "note": args.note, "tasks": {}}
+  for t in tasks:
+    results = {v: {} for v in plan[t]}
+    for s in range(seeds[t]):
+      for v in plan[t]:
+        got = _read(os.path.join(args.workdir, t, f"seed{s}", v), args.steps, t)
+        if got is not None:
+          results[v][s] = got
+    out["tasks"][t] = _task_result(t, results)
   out["minutes"] = round((time.time() - t0) / 60, 1)   # this invocation
-  # The training runs' own minutes (every variant and seed; warm starts not included).
-  out["run_minutes_total"] = round(sum(r["minutes"] for v in names
-                                       for r in results[v].values()), 1)
+  out["minutes_total"] = round(out["minutes"] + args.earlier_minutes, 1)
+  out["run_minutes_total"] = round(sum(
+      v["minutes_per_run"] * len(v["seeds"]) for r in out["tasks"].values()
+      for v in r["variants"].values()), 1)
+  # The top-level shape of earlier results: the deep task's variants.
+  main_task = "deep" if "deep" in out["tasks"] else tasks[0]
+  out["variants"] = out["tasks"][main_task]["variants"]
+  line = {k: out[k] for k in ("benchmark", "cpu", "seeds", "warm_start", "steps", "note",
+                              "minutes_total", "run_minutes_total")}
+  line["tasks"] = {
+      t: {"variants": {v: {k: round(s[k]["mean"], 3) for k in
+                           ("success", "delegating", "helpers_per_agent", "pass_through",
+                            "learner_tokens") if k in s}
+                       for v, s in r["variants"].items()},
+          "claims": {v: {k: m["verdict"] for k, m in c["metrics"].items()}
+                     for v, c in r["claims"].items()},
+          "significant": {v: sorted(k for k, d in vs.items() if d["significant"])
+                          for v, vs in r["vs_rao"].items()}}
+      for t, r in out["tasks"].items()}
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
       json.dump(out | {"plot": os.path.basename(args.out) + ".png"}, f, indent=1)
-    _plot(out | {"variants": out["variants"] | out["breakages"]}, args.out + ".png")
-  print(json.dumps({k: v for k, v in out.items() if k != "variants" and k != "breakages"}
-                   | {"variants": {v: {"success": s["success"]["mean"],
-                                       "delegating": s["delegating"]["mean"],
-                                       "test_passes": s["test_passes"]}
-                                   for v, s in (out["variants"] | out["breakages"]).items()}}))
+    with open(args.out + ".line.json", "w") as f:
+      f.write(json.dumps(line) + "\n")
+    _plot(out, args.out + ".png")
+  print(json.dumps(line))
 
 
 if __name__ == "__main__":

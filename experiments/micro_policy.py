@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from rao_jax.agent import chat, local_exec, policies, prompts, runner as runner_lib
-from rao_jax.envs import base, delegation, micro
+from rao_jax.envs import base, delegation, delegation_deep, micro
 
 _USER_RE = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
@@ -35,16 +35,28 @@ _USER_RE = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 # -- the tokenizer ---------------------------------------------------------------------------
 
 
-def _system_prompts(env: base.Environment, max_depth: int) -> list[str]:
+def _system_prompts(env: base.Environment, max_depth: int,
+                    budgets: Sequence[int] = (1, 2, 4)) -> list[str]:
   """System prompts the runtime may show (both modes, every depth, a few limits)."""
   texts = []
   for recursive in (False, True):
     for depth in range(max_depth + 1):
-      for steps in (1, 2, 4):
+      for steps in budgets:
         for ctx in (256, 512, 1024):
           texts.append(prompts.system_prompt(env.tool_docs(recursive), recursive, depth,
-                                             max_depth, steps, steps, ctx))
+                                             max_depth, min(steps, 4), steps, ctx))
   return texts
+
+
+def _deep_budgets() -> list[int]:
+  """Every step budget a node of the deep environment can hold (a perfect tree's and less)."""
+  out = set()
+  for k in delegation_deep.SIZES:
+    b = delegation_deep.tree_budget(k)
+    while b >= 1:
+      out.update({b, b - 2})   # a second helper may get less than the first when starved
+      b = delegation_deep.helper_budget(b)
+  return sorted(x for x in out if x >= 1)
 
 
 def build_tokenizer(texts: Sequence[str], cells: Sequence[str], vocab_size: int = 384):
@@ -74,10 +86,15 @@ def build_tokenizer(texts: Sequence[str], cells: Sequence[str], vocab_size: int 
 
 
 def tokenizer_for(env: base.Environment):
-  """The micro tokenizer of `env` (a `MicroEnv` or a `DelegationEnv`)."""
+  """The micro tokenizer of `env` (a `MicroEnv`, `DelegationEnv` or `DeepDelegationEnv`)."""
   common = ["system", "user", "assistant",
             prompts.observation_text("", prompts.NO_CODE, 0, 4000),
             prompts.observation_text("Finished. Your final message was recorded.", None, 0, 4000)]
+  if isinstance(env, delegation_deep.DeepDelegationEnv):
+    # Depths up to 8 (the deep config's max_depth) and every budget a node can hold.
+    return build_tokenizer(_system_prompts(env, 8, _deep_budgets())
+                           + delegation_deep.corpus_texts(env.cfg) + common,
+                           delegation_deep.CELLS, vocab_size=1024)
   if isinstance(env, delegation.DelegationEnv):
     # BPE merges stop at word boundaries: 1,024 is past the ~610 merges this text allows, and
     # halves a prompt against 384 (~250 tokens), which halves every run's tokens.
@@ -89,7 +106,7 @@ def tokenizer_for(env: base.Environment):
     texts += [micro.task_goal(str(d)) for d in range(10)]
     return build_tokenizer(texts + common, [micro.answer_cell(str(d)) for d in range(10)])
   raise ValueError(f"tokenizer_for: no micro tokenizer for environment {env.name!r}; use the "
-                   "'micro' or 'delegation' environment.")
+                   "'micro', 'delegation' or 'delegation_deep' environment.")
 
 
 # -- the policy --------------------------------------------------------------------------------
@@ -177,7 +194,12 @@ class Probe:
   def __init__(self, env, tokenizer, runner_cfg, target: dict[str, float]):
     self.env, self.tokenizer, self.target = env, tokenizer, dict(target)
     tasks = list(env.tasks("train"))
-    if isinstance(env, delegation.DelegationEnv):
+    self.deep = isinstance(env, delegation_deep.DeepDelegationEnv)
+    if self.deep:
+      # The best recursive policy's trees: every node's real prompt, and its right cell.
+      trees = grow_trees(env, tokenizer, runner_cfg, tasks,
+                         lambda text, n: delegation_deep.best_cell(user_goal(text)))
+    elif isinstance(env, delegation.DelegationEnv):
       # Every root delegates in the probe's trees: the roots' and the helpers' real prompts.
       trees = grow_trees(env, tokenizer, runner_cfg, tasks,
                          lambda text, n: delegation.demonstration(
@@ -192,14 +214,24 @@ class Probe:
         self.rows.append(ids)
         self.depths.append(n.depth)
         self.trees.append(k)
-        if n.depth == 0 and isinstance(env, delegation.DelegationEnv):
+        if self.deep:
+          self.cells.append(enc(delegation_deep.best_cell(n.goal)))
+        elif n.depth == 0 and isinstance(env, delegation.DelegationEnv):
           self.cells.append(enc(delegation.DELEGATE_CELL))
         else:
           self.cells.append(enc(micro.answer_cell(str(n.task_fields["answer"]))))
     self.depths, self.trees = np.asarray(self.depths), np.asarray(self.trees)
+    if self.deep:
+      self.split_N = np.asarray(self.cells) == enc(delegation_deep.SPLIT_CELL)
 
   def measure(self, model) -> dict[str, float]:
     p = cell_probs(model, self.rows, self.cells)
+    if self.deep:
+      # Splitting nodes (several items) and answering ones (one item): the two decisions.
+      split = self.split_N
+      succ = [np.prod(p[self.trees == k]) for k in np.unique(self.trees)]
+      return {"delegate": float(p[split].mean()), "child_right": float(p[~split].mean()),
+              "success": float(np.mean(succ))}
     if not isinstance(self.env, delegation.DelegationEnv):
       return {"success": float(p.mean())}
     roots = self.depths == 0
@@ -215,7 +247,7 @@ class Probe:
 
 def build_policy(out_dir: str, runner_cfg, env, *, seed: int = 0,
                  target: dict[str, float] | None = None, p_delegate: float = 0.5,
-                 max_steps: int = 96, check_every: int = 4, demos_per_step: int = 16,
+                 p_extra: float = 0.1, max_steps: int = 96, check_every: int = 4, demos_per_step: int = 16,
                  lr: float = 3e-3) -> dict[str, Any]:
   """Builds the micro policy of `env` as an HF folder `out_dir` (config, safetensors, tokenizer).
 
@@ -227,7 +259,10 @@ def build_policy(out_dir: str, runner_cfg, env, *, seed: int = 0,
 
   Demonstrators: micro: the right answer cell. Delegation: a helper answers its digit; a root
   delegates with probability `p_delegate`, else answers the first digit (the single agent's
-  best move), so the warm start delegates only part of the time.
+  best move), so the warm start delegates only part of the time. Deep delegation
+  (`delegation_deep.demonstration`): a node of several items splits with probability
+  `p_delegate`, else answers its first item; any node echoes its goal to two helpers with
+  probability `p_extra`, and a one-item node forwards it to one helper with `p_extra`.
 
   Args:
     out_dir: the folder to write (`config.model.name` of the run).
@@ -237,6 +272,7 @@ def build_policy(out_dir: str, runner_cfg, env, *, seed: int = 0,
     target: {measured quantity: value to reach}; default {"success": 0.4} for micro and
       {"child_right": 0.4} for delegation (see `Probe.measure` for the names).
     p_delegate: the delegation demonstrator's share of roots that delegate.
+    p_extra: deep delegation: the demonstrator's share of helpers beyond what a split needs.
     max_steps: most supervised steps (raises if the target is not reached by then).
     check_every: supervised steps between two measurements.
     demos_per_step: demonstration trees per step.
@@ -255,8 +291,9 @@ def build_policy(out_dir: str, runner_cfg, env, *, seed: int = 0,
   from rao_jax.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from rao_jax.model.weights import export_hf  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
+  is_deep = isinstance(env, delegation_deep.DeepDelegationEnv)
   is_delegation = isinstance(env, delegation.DelegationEnv)
-  target = target or ({"child_right": 0.4} if is_delegation else {"success": 0.4})
+  target = target or ({"child_right": 0.4} if is_delegation or is_deep else {"success": 0.4})
   tokenizer = tokenizer_for(env)
   mcfg = model_config(tokenizer.vocab_size, tokenizer)
   model = Transformer(mcfg, rngs=nnx.Rngs(seed))
@@ -266,16 +303,25 @@ def build_policy(out_dir: str, runner_cfg, env, *, seed: int = 0,
   train = list(env.tasks("train"))
   picks = rng.choice(len(train), size=max_steps * demos_per_step)
   demo_rng = np.random.default_rng([seed, 2])
-  if is_delegation:
+  if is_deep:
+    turn = lambda text, n: delegation_deep.demonstration(user_goal(text), demo_rng, p_delegate,
+                                                         p_extra)
+  elif is_delegation:
     turn = lambda text, n: delegation.demonstration(user_goal(text), demo_rng, p_delegate)
   else:
     turn = lambda text, n: micro.answer_cell(micro.goal_digit(user_goal(text)))
 
   row_len = runner_cfg.context_window
   # Up to 1 + k nodes a tree: rows for the largest step, one bucket (one compilation).
-  rows = demos_per_step * (1 + (env.cfg.num_parts if is_delegation else 0))
+  if is_deep:
+    # A ladder: a step's batch costs what its bucket holds, and deep demonstrations average
+    # ~5 nodes a tree against a largest possible 46.
+    buckets = tuple(demos_per_step * m for m in (4, 8, 16, delegation_deep.tree_budget(
+        max(env.cfg.sizes))))
+  else:
+    buckets = (demos_per_step * (1 + (env.cfg.num_parts if is_delegation else 0)),)
   lcfg = LearnerConfig(loss="rao", lr=lr, total_steps=max_steps, row_len=row_len,
-                       micro_batch_rows=demos_per_step, bucket_rows=(rows,), seed=seed,
+                       micro_batch_rows=demos_per_step, bucket_rows=buckets, seed=seed,
                        ckpt_dir="")
   learner = Learner(lcfg, mcfg, mesh=sharding.make_mesh(1, 1, 1), params=model)
   nll, measured, step = float("nan"), {}, 0

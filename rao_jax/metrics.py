@@ -273,13 +273,15 @@ def tree_stats(trees) -> dict[str, float]:
   Returns means over trees of: max depth, nodes, fan-out of nodes that delegated, generated
   tokens per tree, wall-clock seconds; the share of trees whose root delegated (launched at
   least one helper); and the share of child launches that ran in parallel with a sibling
-  (their [start, end] intervals overlap), the signature of `asyncio.gather`.
+  (their [start, end] intervals overlap), the signature of `asyncio.gather`; and the
+  pass-through share: of all children, those whose goal equals their parent's (a helper given
+  the whole task it was asked to do rather than a part of it).
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   if not trees:
     return {}
   depth, nodes, fanout, tokens, wall = [], [], [], [], []
-  children_total, children_parallel = 0, 0
+  children_total, children_parallel, children_same_goal = 0, 0, 0
   for t in trees:
     depth.append(max(n.depth for n in t.nodes))
     nodes.append(len(t.nodes))
@@ -290,6 +292,9 @@ def tree_stats(trees) -> dict[str, float]:
       if not n.children:
         continue
       fanout.append(len(n.children))
+      children_same_goal += sum(
+          c in by_id and isinstance(n.goal, str) and isinstance(by_id[c].goal, str)
+          and by_id[c].goal.strip() == n.goal.strip() for c in n.children)
       spans = [(by_id[c].timings.get("start", 0.0), by_id[c].timings.get("end", 0.0))
                for c in n.children if c in by_id]
       for i, (s0, e0) in enumerate(spans):
@@ -304,6 +309,7 @@ def tree_stats(trees) -> dict[str, float]:
       "tree_tokens": float(np.mean(tokens)),
       "tree_wall_s": float(np.mean(wall)),
       "parallel_launch_share": children_parallel / children_total if children_total else 0.0,
+      "pass_through_share": children_same_goal / children_total if children_total else 0.0,
   }
 
 

@@ -190,3 +190,103 @@ def test_children_take_their_own_groups_baseline_when_groups_are_interleaved():
     mates = [u for u in groups[t[0].upper()] if u != t]
     assert adv.baseline_N[i] == pytest.approx(np.mean([root_r[u] for u in mates])), (t, n)
     assert adv.advantage_N[i] == pytest.approx(adv.reward_N[i] - adv.baseline_N[i])
+
+
+def _node(node_id, parent, depth, children=(), s=1.0, goal=None):
+  n = make_node(node_id, parent, depth, children, s, "verifier")
+  if goal is not None:
+    n.goal = goal
+  return n
+
+
+def test_count_bonus_group_mean_baseline_and_root_rewards_on_the_worked_example():
+  trees = worked_example_trees()
+  # Count: R(v) = s(v) + lambda * sum s(c). r1: 1 + 0.5 * (1 + 0) = 1.5; a: 1 + 0.5 * 1.
+  count = compute_rewards_and_advantages(trees, lam=0.5, bonus="count")
+  np.testing.assert_allclose(count.reward_N, [1.5, 1.5, 0.0, 1.0, 0.0])
+  np.testing.assert_allclose(count.baseline_N, [0.0, 0.0, 0.0, 0.0, 1.5])
+  # Group mean: b = (R(r1) + R(r2)) / 2 = 0.625 for both trees (own root included).
+  mean = compute_rewards_and_advantages(trees, lam=0.5, baseline="group_mean")
+  np.testing.assert_allclose(mean.baseline_N, 0.625)
+  np.testing.assert_allclose(mean.advantage_N, np.asarray(SPEC_R) - 0.625)
+  # Root rewards: every node of tree 1 takes s(r1) = 1 (b's own 0 is ignored), so
+  # R = 1 + 0.5 * 1 for nodes with children, 1 for leaves; tree 2 is all 0.
+  root = compute_rewards_and_advantages(trees, lam=0.5, node_rewards="root")
+  np.testing.assert_allclose(root.reward_N, [1.5, 1.5, 1.0, 1.0, 0.0])
+  np.testing.assert_allclose(root.success_N, [1, 1, 0, 1, 0])   # the record's s stays
+  np.testing.assert_allclose(root.advantage_N, [1.5, 1.5, 1.0, 1.0, -1.5])
+  for kw, msg in (({"bonus": "sum"}, "bonus='sum'"), ({"baseline": "median"}, "baseline"),
+                  ({"node_rewards": "sparse"}, "node_rewards"),
+                  ({"child_keep_prob": 0.0}, "child_keep_prob"),
+                  ({"child_keep_prob": 1.5}, "child_keep_prob")):
+    with pytest.raises(ValueError, match=msg):
+      compute_rewards_and_advantages(trees, **kw)
+
+
+def test_pass_through_gate_zeroes_a_node_that_only_forwards_its_own_goal():
+  # Tree 1: r forwards its own goal to p (one child: a pass-through), p splits into two
+  # leaves. Tree 2: r launches two helpers with its own goal (an echo: not a single child).
+  # Tree 3: r answers itself.
+  g, h1, h2 = "Finish with 1 then 2.", "Finish with 1.", "Finish with 2."
+  t1 = make_tree("t1", "G", [_node("r", None, 0, ["p"], 1.0, g),
+                             _node("p", "r", 1, ["x", "y"], 1.0, g),
+                             _node("x", "p", 2, (), 1.0, h1), _node("y", "p", 2, (), 1.0, h2)])
+  t2 = make_tree("t2", "G", [_node("r", None, 0, ["e1", "e2"], 1.0, g),
+                             _node("e1", "r", 1, (), 1.0, g), _node("e2", "r", 1, (), 0.0, g)])
+  t3 = make_tree("t3", "G", [_node("r", None, 0, (), 0.0, g)])
+  plain = compute_rewards_and_advantages([t1, t2, t3], lam=0.5)
+  np.testing.assert_allclose(plain.reward_N, [1.5, 1.5, 1, 1, 1.25, 1, 0, 0])
+  assert plain.stats["pass_through_nodes"] == 1
+  gated = compute_rewards_and_advantages([t1, t2, t3], lam=0.5, pass_through_gate=True)
+  # Only t1's root is gated: R = 0 (no success, no bonus), and its tree's root reward 0 feeds
+  # the other trees' baselines. The echoing root of t2 keeps its reward.
+  np.testing.assert_allclose(gated.reward_N, [0, 1.5, 1, 1, 1.25, 1, 0, 0])
+  np.testing.assert_allclose(gated.baseline_N, [0.625] * 4 + [0.0] * 3 + [0.625])
+  # A whitespace difference is still the same goal; a different goal is a real delegation.
+  t1.nodes[1].goal = "  " + g + "\n"
+  assert compute_rewards_and_advantages([t1, t2, t3], pass_through_gate=True).reward_N[0] == 0
+  t1.nodes[1].goal = h1
+  assert compute_rewards_and_advantages([t1, t2, t3], pass_through_gate=True).reward_N[0] == 1.5
+
+
+def test_child_subsampling_keeps_every_root_and_about_p_of_the_children():
+  trees = synthetic_trees(16, 4, vocab=64, seed=3, max_len=64, mean_len=30)
+  adv = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7)
+  roots, kids = adv.depth_N == 0, adv.depth_N > 0
+  assert adv.train_N[roots].all()
+  share = adv.train_N[kids].mean()
+  assert 0.15 < share < 0.35, share
+  assert adv.stats["train_nodes"] == adv.train_N.sum() == adv.num_train_nodes
+  # Dropped children get weight 0; the kept ones are not scaled by 1/p: with depth weights
+  # off every kept node has w = 1, and rewards and advantages are those of the full batch.
+  flat = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7, depth_weights=False)
+  full = compute_rewards_and_advantages(trees)
+  np.testing.assert_array_equal(flat.weight_N, flat.train_N.astype(float))
+  np.testing.assert_allclose(flat.advantage_N, full.advantage_N)
+  # Same batch and seed: the same draw; another seed: another draw.
+  again = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7)
+  np.testing.assert_array_equal(again.train_N, adv.train_N)
+  other = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=8)
+  assert not np.array_equal(other.train_N, adv.train_N)
+  batch = pack_trees(trees, flat, row_len=64, bucket_rows=(1024,))
+  assert float(batch.normalizer) == flat.num_train_nodes
+
+
+def test_learner_config_validates_the_ablation_options_and_the_run_config_reaches_them():
+  from experiments.configs import base
+  from rao_jax import experiment as X
+  from rao_jax.learner import LearnerConfig
+  for field, bad in (("bonus", "sum"), ("baseline", "median"), ("node_rewards", "sparse"),
+                     ("pass_through_gate", 1), ("child_keep_prob", 0.0)):
+    with pytest.raises(ValueError, match=f"LearnerConfig.{field}="):
+      LearnerConfig(**{field: bad})
+  c = base.base_config()
+  c.rl.bonus, c.rl.baseline, c.rl.node_rewards = "count", "group_mean", "root"
+  c.rl.pass_through_gate, c.rl.child_keep_prob = True, 0.25
+  lc = X.learner_config(c, "/tmp/unused")
+  assert (lc.bonus, lc.baseline, lc.node_rewards, lc.pass_through_gate, lc.child_keep_prob) == (
+      "count", "group_mean", "root", True, 0.25)
+  # Supervised warm-up steps never take RL's credit options.
+  sft = X.learner_config(c, "/tmp/unused", sft=True)
+  assert (sft.bonus, sft.node_rewards, sft.pass_through_gate, sft.child_keep_prob) == (
+      "rate", "dense", False, 1.0)

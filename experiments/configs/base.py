@@ -79,6 +79,11 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.advantage = "node"            # "node": A(v) = R(v) - b_k | "tree": root's A for all
   c.rl.train_nodes = "all"           # "all" nodes in the loss | "root": roots only
   c.rl.depth_weights = True          # inverse-frequency depth weights | False: w = 1
+  c.rl.bonus = "rate"                # delegation bonus on the "rate" | "count" of good children
+  c.rl.baseline = "loo"              # "loo": leave-one-out | "group_mean": mean of all K roots
+  c.rl.node_rewards = "dense"        # "dense": s(v) per node | "root": s(root) for every node
+  c.rl.pass_through_gate = False     # True: R = 0 for a node that only forwards its own goal
+  c.rl.child_keep_prob = 1.0         # children kept in the learner batch (roots always)
   c.rl.loss = "rao"                  # rao | token_sum | ppo_clip | cispo
   c.rl.clip_eps = 0.2                # ppo_clip epsilon
   c.rl.cispo_ratio_max = 5.0         # cispo: the importance ratio is clipped to [0, this]

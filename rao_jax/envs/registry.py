@@ -38,6 +38,11 @@ def _delegation(**kw) -> base.Environment:
   return delegation.DelegationEnv(**kw)
 
 
+def _delegation_deep(**kw) -> base.Environment:
+  from rao_jax.envs import delegation_deep  # pylint: disable=g-import-not-at-top
+  return delegation_deep.DeepDelegationEnv(**kw)
+
+
 ENVIRONMENTS: dict[str, Callable[..., base.Environment]] = {
     "textcraft": _textcraft,
     "textcraft_synth": _textcraft_synth,
@@ -45,6 +50,7 @@ ENVIRONMENTS: dict[str, Callable[..., base.Environment]] = {
     "search": _search,
     "micro": _micro,   # the micro-run's environment (tests/test_learns.py)
     "delegation": _delegation,   # k-part tasks that need helpers (test_learns_to_delegate.py)
+    "delegation_deep": _delegation_deep,   # k in {1, 2, 4, 8} items, two helpers per agent
 }
 
 

@@ -25,6 +25,16 @@ class LearnerConfig:
       advantage; an ablation), used by `Learner.prepare`.
     train_nodes: "all" (RAO) or "root" (children leave the learner batch; an ablation).
     depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
+    bonus: the delegation bonus over a node's children: "rate" (RAO: lambda * mean s(c)) or
+      "count" (lambda * sum s(c); an ablation the paper found the policy hacks).
+    baseline: "loo" (RAO's leave-one-out mean of the other roots' R) or "group_mean" (the mean
+      of all K roots' R; an ablation).
+    node_rewards: "dense" (RAO: each node's own s(v)) or "root" (every node takes s(root); the
+      paper's root-only rewards, an ablation).
+    pass_through_gate: a node that only forwarded its own goal to one child gets R(v) = 0 (as
+      the RAO authors' code gates it); False is RAO as specified.
+    child_keep_prob: each non-root node stays in the learner batch with this probability (roots
+      always; no 1/p reweighting); 1.0 is RAO, the RAO authors' code uses 0.25.
     clip_eps: PPO clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].
     cispo_ratio_max: CISPO clips the importance ratio to [0, cispo_ratio_max] (absolute bound;
       the RAO authors' code uses 5.0).
@@ -73,6 +83,11 @@ class LearnerConfig:
   advantage: str = "node"
   train_nodes: str = "all"
   depth_weights: bool = True
+  bonus: str = "rate"
+  baseline: str = "loo"
+  node_rewards: str = "dense"
+  pass_through_gate: bool = False
+  child_keep_prob: float = 1.0
   clip_eps: float = 0.2
   cispo_ratio_max: float = 5.0
   kl_coef: float = 0.0
@@ -114,8 +129,17 @@ class LearnerConfig:
     if self.train_nodes not in rewards.TRAIN_NODES:
       raise _bad("train_nodes", self.train_nodes, f"choose one of {rewards.TRAIN_NODES} (\"all\" "
                  "is RAO).")
-    if not isinstance(self.depth_weights, bool):
-      raise _bad("depth_weights", self.depth_weights, "must be True or False.")
+    for name in ("depth_weights", "pass_through_gate"):
+      if not isinstance(getattr(self, name), bool):
+        raise _bad(name, getattr(self, name), "must be True or False.")
+    for name, allowed in (("bonus", rewards.BONUSES), ("baseline", rewards.BASELINES),
+                          ("node_rewards", rewards.NODE_REWARDS)):
+      if getattr(self, name) not in allowed:
+        raise _bad(name, getattr(self, name), f"choose one of {allowed} ({allowed[0]!r} is RAO).")
+    if not (isinstance(self.child_keep_prob, (int, float))
+            and 0 < self.child_keep_prob <= 1):
+      raise _bad("child_keep_prob", self.child_keep_prob, "must be in (0, 1] (1.0 keeps every "
+                 "node; the RAO authors' code keeps children with 0.25).")
     if not 0 < self.clip_eps < 1:
       raise _bad("clip_eps", self.clip_eps, "must be in (0, 1), e.g. 0.2.")
     if not self.cispo_ratio_max > 0:

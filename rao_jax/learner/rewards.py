@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import zlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -28,8 +29,25 @@ SOURCES = ("verifier", "judge", "proxy")
 #   train_nodes "all": every node is a term of the loss (RAO);  "root": only the roots are
 #     (children still shape R(root) through the delegation bonus and s(root)).
 #   depth_weights True: w_d = N / (D' n_d) (RAO);  False: w = 1 for every node.
+#   bonus "rate": lambda * mean_{c in C(v)} s(c) (RAO);  "count": lambda * sum_{c in C(v)} s(c),
+#     the number of successful children (the paper's Fig. 9 variant that the policy hacked by
+#     spawning more helpers).
+#   baseline "loo": b_k = (1/(K-1)) sum_{j != k} R(r_j) (RAO);  "group_mean": b_k = (1/K)
+#     sum_j R(r_j), the tree's own root included (GRPO's mean).
+#   node_rewards "dense": s(v) per node (RAO);  "root": s(v) := s(root) for every node, so a
+#     node's reward says only how its tree ended (the paper's root-only rewards, Fig. 8).
+#   pass_through_gate False (RAO as specified);  True: a node whose only child was given the
+#     node's own goal gets R(v) = 0, no success and no bonus (the RAO authors' code gates such
+#     forwarding, which the rate bonus otherwise pays lambda for).
+#   child_keep_prob 1.0 (RAO);  p < 1: each non-root node stays in the learner batch with
+#     probability p, every root stays, and the kept children are not reweighted by 1/p (the
+#     RAO authors' code keeps child data with p = 0.25). Depth weights are then those of the
+#     batch that remains.
 ADVANTAGES = ("node", "tree")
 TRAIN_NODES = ("all", "root")
+BONUSES = ("rate", "count")
+BASELINES = ("loo", "group_mean")
+NODE_REWARDS = ("dense", "root")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +147,32 @@ def _resolve_tree(tree) -> tuple[list[float], list[str], list[float], list[int]]
   return succ, src, depth, root_s
 
 
+def is_pass_through(node, by_id: dict) -> bool:
+  """Whether `node` launched exactly one child and gave it the node's own goal (forwarding).
+
+  Goals are compared after stripping surrounding whitespace; a node without a goal text (or a
+  child missing from `by_id`) is never a pass-through.
+  """
+  kids = list(node.children or ())
+  if len(kids) != 1 or kids[0] not in by_id:
+    return False
+  goal, child_goal = getattr(node, "goal", None), getattr(by_id[kids[0]], "goal", None)
+  return isinstance(goal, str) and isinstance(child_goal, str) and bool(goal.strip()) and (
+      goal.strip() == child_goal.strip())
+
+
+def _keep_seed(trees, seed: int) -> list[int]:
+  """A seed for child subsampling that differs per batch (tree ids are unique per sample)."""
+  return [int(seed), zlib.crc32("|".join(t.tree_id for t in trees).encode())]
+
+
 def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
                                    advantage: str = "node", train_nodes: str = "all",
-                                   depth_weights: bool = True) -> Advantages:
+                                   depth_weights: bool = True, bonus: str = "rate",
+                                   baseline: str = "loo", node_rewards: str = "dense",
+                                   pass_through_gate: bool = False,
+                                   child_keep_prob: float = 1.0,
+                                   seed: int = 0) -> Advantages:
   """Computes R(v), the leave-one-out advantage A(v) and depth weights w_d for a batch of trees.
 
   Args:
@@ -143,22 +184,39 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
       per-tree GRPO, an ablation).
     train_nodes: "all" (RAO) or "root" (children leave the learner batch: an ablation).
     depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
+    bonus: "rate" (RAO: lambda * mean of the children's s) or "count" (lambda * their sum).
+    baseline: "loo" (RAO's leave-one-out mean of the other roots' R) or "group_mean" (the mean
+      of all K roots' R, the tree's own included).
+    node_rewards: "dense" (RAO: each node's own s(v)) or "root" (every node takes s(root)).
+    pass_through_gate: R(v) = 0 for a node that only forwarded its own goal to one child.
+    child_keep_prob: in (0, 1]: the probability that a non-root node stays in the learner
+      batch (roots always stay; no 1/p reweighting).
+    seed: seeds the child subsampling (with the batch's tree ids).
 
   Returns:
     Advantages, whose `stats` holds (flat keys, float values): `num_trees`, `num_groups`,
     `num_nodes`, `nodes/depth_d`, `reward/depth_d`, `success/depth_d`, `weight/depth_d`,
     `source_frac/<source>`, `groups_all_equal` and `groups_all_equal_frac` (groups whose root
     rewards are all equal: every advantage in them is R(v) - R(root), zero at the roots),
-    `root_reward_mean`, `advantage_abs_mean`, `max_depth`.
+    `root_reward_mean`, `advantage_abs_mean`, `max_depth`, `pass_through_nodes` (nodes that
+    only forwarded their own goal to one child) and `train_nodes` (nodes in the learner batch).
 
   Raises:
     ValueError: a group with fewer than 2 trees, a success outside [0, 1], an unscored root,
-      an unknown success source, a child id missing from its tree, or lam < 0.
+      an unknown success source, a child id missing from its tree, lam < 0, an unknown
+      option value or child_keep_prob outside (0, 1].
   """
   if advantage not in ADVANTAGES:
     raise ValueError(f"advantage={advantage!r}: use one of {ADVANTAGES} (\"node\" is RAO).")
   if train_nodes not in TRAIN_NODES:
     raise ValueError(f"train_nodes={train_nodes!r}: use one of {TRAIN_NODES} (\"all\" is RAO).")
+  for name, value, allowed in (("bonus", bonus, BONUSES), ("baseline", baseline, BASELINES),
+                               ("node_rewards", node_rewards, NODE_REWARDS)):
+    if value not in allowed:
+      raise ValueError(f"{name}={value!r}: use one of {allowed} ({allowed[0]!r} is RAO).")
+  if not (isinstance(child_keep_prob, (int, float)) and 0 < child_keep_prob <= 1):
+    raise ValueError(f"child_keep_prob={child_keep_prob!r}: must be in (0, 1] (1 keeps every "
+                     "node; the RAO authors' code keeps children with 0.25).")
   if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
     raise ValueError(f"lam={lam!r}: the delegation bonus lambda must be a finite number >= 0 "
                      "(RAO_SPEC uses 0.5).")
@@ -169,16 +227,20 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
 
   tree_ids, node_ids, tree_index, depths, succs, sources, rewards = [], [], [], [], [], [], []
   root_reward = []
+  passes = []   # per node: it only forwarded its own goal to one child
   seen_tree_ids = set()
   for k, tree in enumerate(trees):
     if tree.tree_id in seen_tree_ids:
       raise ValueError(f"Tree id {tree.tree_id!r} appears twice in the batch; tree ids must be "
                        "unique (each sampled tree once).")
     seen_tree_ids.add(tree.tree_id)
-    succ, src, depth, _ = _resolve_tree(tree)
+    succ, src, depth, root_s = _resolve_tree(tree)
     index_of = {node.node_id: i for i, node in enumerate(tree.nodes)}
     if len(index_of) != len(tree.nodes):
       raise ValueError(f"Tree {tree.tree_id!r} has duplicate node ids.")
+    # The success that rewards see: each node's own, or the root's for every node.
+    reward_s = succ if node_rewards == "dense" else [root_s] * len(succ)
+    by_id = {node.node_id: node for node in tree.nodes}
     for i, node in enumerate(tree.nodes):
       kids = list(node.children or ())
       for c in kids:
@@ -186,8 +248,12 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
           raise ValueError(f"Tree {tree.tree_id!r} node {node.node_id!r} lists child {c!r}, "
                            "which is not a node of the tree; the record is incomplete.")
       # The delegation bonus uses the children's resolved successes (proxy filled in).
-      bonus = lam * float(np.mean([succ[index_of[c]] for c in kids])) if kids else 0.0
-      rewards.append(succ[i] + bonus)
+      kid_s = [reward_s[index_of[c]] for c in kids]
+      extra = 0.0
+      if kids:
+        extra = lam * float(np.mean(kid_s) if bonus == "rate" else np.sum(kid_s))
+      passes.append(is_pass_through(node, by_id))
+      rewards.append(0.0 if pass_through_gate and passes[-1] else reward_s[i] + extra)
       tree_ids.append(tree.tree_id)
       node_ids.append(node.node_id)
       tree_index.append(k)
@@ -211,7 +277,8 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
     roots = np.array([root_reward[k] for k in members])
     total = roots.sum()
     for k, r in zip(members, roots):
-      baseline_tree[k] = (total - r) / (len(members) - 1)
+      baseline_tree[k] = ((total - r) / (len(members) - 1) if baseline == "loo"
+                          else total / len(members))
     if np.all(roots == roots[0]):
       groups_all_equal += 1
 
@@ -227,6 +294,11 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
     root_index_N = np.asarray([first[k] for k in tree_index], np.int64)
     advantage_N = advantage_N[root_index_N]
   train_N = np.ones(len(depth_N), bool) if train_nodes == "all" else depth_N == 0
+  if child_keep_prob < 1:
+    # One draw per node in flat order, roots included, so a node's draw does not depend on
+    # how many children came before it in other trees.
+    keep_N = np.random.default_rng(_keep_seed(trees, seed)).random(len(depth_N)) < child_keep_prob
+    train_N &= (depth_N == 0) | keep_N
 
   # Depth-level inverse-frequency weights over the learner batch (the trained nodes):
   # w_d = N / (D' * n_d).
@@ -249,6 +321,8 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
       "groups_all_equal_frac": groups_all_equal / len(groups),
       "root_reward_mean": float(np.mean(root_reward)),
       "advantage_abs_mean": float(np.mean(np.abs(advantage_N))),
+      "pass_through_nodes": float(sum(passes)),
+      "train_nodes": float(n_train),
   }
   for d, c in zip(levels, counts):
     sel = depth_N == d

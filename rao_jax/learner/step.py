@@ -413,9 +413,11 @@ class Learner:
   @staticmethod
   def advantages(trees, cfg: LearnerConfig) -> Advantages:
     """RAO rewards, advantages and depth weights of `trees` under `cfg`'s settings."""
-    return compute_rewards_and_advantages(trees, lam=cfg.lam, advantage=cfg.advantage,
-                                          train_nodes=cfg.train_nodes,
-                                          depth_weights=cfg.depth_weights)
+    return compute_rewards_and_advantages(
+        trees, lam=cfg.lam, advantage=cfg.advantage, train_nodes=cfg.train_nodes,
+        depth_weights=cfg.depth_weights, bonus=cfg.bonus, baseline=cfg.baseline,
+        node_rewards=cfg.node_rewards, pass_through_gate=cfg.pass_through_gate,
+        child_keep_prob=cfg.child_keep_prob, seed=cfg.seed)
 
   def prepare(self, trees) -> tuple[PackedBatch, Advantages]:
     """RAO rewards/advantages and the packed batch for `trees`, with this learner's settings.
