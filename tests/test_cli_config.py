@@ -122,5 +122,5 @@ def test_an_unknown_config_names_the_shipped_ones(tmp_path, monkeypatch, value):
     common.resolve_config(["x", f"--config={value}"])
   msg = str(e.value)
   assert value.split(":")[0] in msg and "no such file" in msg
-  assert "delegation, longcontext, micro, search, textcraft, textcraft_synth" in msg, msg
+  assert "delegation, delegation_deep, longcontext, micro, search, textcraft, textcraft_synth" in msg, msg
   assert "base" not in msg.split("one of")[1], msg
