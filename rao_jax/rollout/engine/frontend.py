@@ -467,16 +467,19 @@ class EmbeddedEngine(Engine):
     if jax.tree.structure(state) != self._state_tree:
       raise ValueError("update_weights: the new parameters do not have the engine model's "
                        "structure; pass a model of the same config (or its nnx.State).")
-
-    def own(new, old):
-      if new.shape != old.shape:
-        raise ValueError(f"update_weights: a parameter has shape {new.shape}, the engine's "
-                         f"has {old.shape}; the configs differ.")
-      return _own_copy(new, self._device, old.dtype)
-    state = jax.tree.map(own, state, self._abstract_state)
+    state = self._own_tree(state, self._abstract_state, "update_weights: a parameter",
+                           "the configs differ")
     if self._lora is not None:
       self._base = nnx.split_state(state, nnx.LoRAParam, ...)[1]
     return nnx.merge(self._graphdef, state).inference_params()
+
+  def _own_tree(self, tree, abstract, what: str, why: str):
+    """The engine's own copies of ``tree``'s arrays, shapes checked against ``abstract``."""
+    def own(new, old):
+      if new.shape != old.shape:
+        raise ValueError(f"{what} has shape {new.shape}, the engine's has {old.shape}; {why}.")
+      return _own_copy(new, self._device, old.dtype)
+    return jax.tree.map(own, tree, abstract)
 
   def _adapter_params(self, x):
     """A new LoRA adapter (Module or its nnx.LoRAParam state) -> inference params with it
@@ -490,13 +493,8 @@ class EmbeddedEngine(Engine):
       raise ValueError("update_adapter: the adapter's structure differs from the engine's "
                        f"(model.lora={self._lora}); pass nnx.state(model, nnx.LoRAParam) of a "
                        "model with the same model.lora.")
-
-    def own(new, old):
-      if new.shape != old.shape:
-        raise ValueError(f"update_adapter: an adapter array has shape {new.shape}, the "
-                         f"engine's has {old.shape}; the model.lora ranks or targets differ.")
-      return _own_copy(new, self._device, old.dtype)
-    adapter = jax.tree.map(own, adapter, self._abstract_adapter)
+    adapter = self._own_tree(adapter, self._abstract_adapter, "update_adapter: an adapter array",
+                             "the model.lora ranks or targets differ")
     return nnx.merge(self._graphdef, adapter, self._base).inference_params()
 
   # ---- scheduler thread -----------------------------------------------------------------------
