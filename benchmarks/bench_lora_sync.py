@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -37,21 +36,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peak  # noqa: E402  (this folder's: the CPU's name)
 
 
 def log(*a):
   print(*a, file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def folder_bytes(path: str) -> int:
@@ -174,7 +164,7 @@ def main(argv=None) -> dict:
            for m in ("bytes", "write_s", "sync_s")}
   line = {"bench": "lora_sync", "model": "smollm2-135m", "param_dtype": "float32",
           "lora_rank": args.rank, "lora_targets": list(model.cfg.lora.targets),
-          "rounds": args.rounds, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+          "rounds": args.rounds, "cpu": bench_peak.cpu_model(), "cpu_count": os.cpu_count(),
           "backend": jax.default_backend(),
           "adapter_bytes": int(med["adapter"]["bytes"]),
           "adapter_write_s": round(med["adapter"]["write_s"], 4),

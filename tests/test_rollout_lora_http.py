@@ -8,7 +8,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from rao_jax.rollout import FinishReason, GenerateRequest, SamplingParams
 from rao_jax.rollout.embedded import EmbeddedEngine
 from rao_jax.rollout.sglang_client import SGLangEngine
 from rao_jax.testing import tiny_model
+from test_rollout_http import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "rk-" + secrets.token_hex(16)
@@ -37,12 +37,6 @@ ARGS = ["--tiny", "--num-slots", "2", "--max-len", "64", "--min-cache-len", "64"
 PROMPTS = [[5, 900, 17, 4000, 23], [77, 12, 3000, 41, 8, 19, 600, 2], [1000, 2000]]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
   """A real server with a rank-4 adapter slot on every projection, its key from
@@ -50,7 +44,7 @@ def served(tmp_path_factory):
   base = tmp_path_factory.mktemp("lora")
   roots = base / "weights"
   roots.mkdir()
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, RAO_JAX_API_KEY=KEY,
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.Popen([sys.executable, "-m", "rao_jax.rollout.serve", "--port", str(port),
