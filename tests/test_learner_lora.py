@@ -155,7 +155,10 @@ def test_lora_dropout_changes_the_training_loss_only():
 
 def test_lora_checkpoint_holds_the_adapter_and_refuses_another_base(tmp_path):
   cfg = lcfg(ckpt_dir=str(tmp_path / "ckpt"), ckpt_async=False)
-  mcfg = dataclasses.replace(tiny_model_config(), lora=lora_lib.from_dict(LORA))
+  # Wide enough that the base (~2 MB) dwarfs Orbax's fixed metadata (~90 KB): on the tiniest
+  # model the two are the same size and the comparison says nothing.
+  wide = tiny_model_config(d_model=128, head_dim=32, mlp_dim=512)
+  mcfg = dataclasses.replace(wide, lora=lora_lib.from_dict(LORA))
   learner = Learner(cfg, mcfg)
   learner.step(_batch(cfg))
   learner.save()
@@ -165,7 +168,7 @@ def test_lora_checkpoint_holds_the_adapter_and_refuses_another_base(tmp_path):
   files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
   size = sum(p.stat().st_size for p in files)
   base_bytes = sum(x.nbytes for x in jax.tree.leaves(learner.frozen))
-  assert size < base_bytes
+  assert size < base_bytes / 4, (size, base_bytes)
   resumed = Learner(cfg, mcfg)
   resumed.restore()
   for x, y in zip(saved, jax.tree.leaves(resumed.params)):
