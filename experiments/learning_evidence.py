@@ -26,7 +26,8 @@ from absl import app
 from absl import flags
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/evidence", "Where the runs go.")
-_SCALE = flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu", "gpu"], "Experiment size.")
+# A string, not an enum: recursion_evidence shares this flag with scales of its own.
+_SCALE = flags.DEFINE_string("scale", "cpu", "Experiment size: tiny, cpu or gpu.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/learning_evidence.json", "Result JSON.")
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "Run no stage: write the result files from the stages complete on "
@@ -66,6 +67,13 @@ _SCALES = {
                 tasks_per_step=8, group=8, ctx=4096, eval_diffs=("medium", "hard"),
                 train="medium", lr=2e-6, slots=64),
 }
+
+
+def scale_of(scales: dict, name: str) -> dict:
+  """The settings of scale `name`; an unknown name is a usage error that lists the scales."""
+  if name not in scales:
+    raise app.UsageError(f"--scale={name!r}: use one of {sorted(scales)}.")
+  return dict(scales[name])
 
 
 def config_for(mode: str, s: dict):
@@ -198,7 +206,7 @@ def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
 
 def main(argv):
   del argv
-  s = _SCALES[_SCALE.value]
+  s = scale_of(_SCALES, _SCALE.value)
   root = os.path.abspath(_WORKDIR.value)
   t0 = time.time()
   result = {"scale": _SCALE.value, "settings": {k: list(v) if isinstance(v, tuple) else v

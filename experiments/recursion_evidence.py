@@ -20,10 +20,15 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   3. `eval_before`  greedy held-out evaluation of the warm start (test split, never trained on);
   4. `rl`           RAO from the warm start on train tasks;
   5. `eval_after`   greedy held-out evaluation after RL.
-  Then `--out` (benchmarks/results/recursion_evidence.json): `modes.recursive.{before, after,
-  paired{delta, ci95, n}, delegating_share{before, after}}`, `modes.single.{before, after}`,
-  `vs_single{delta, ci95, n}` (recursive after minus single after, paired per task), `minutes`,
-  a plot beside it and an HTML page of held-out trees before and after.
+  Recursive mode, two further held-out readings before and after RL (`READINGS`, in
+  recursion_report; never trained or tuned on): `reading_hard_{before,after}` (hard tasks at
+  the same budget, deeper tree limit) and `reading_other_world_{before,after}` (a world built
+  from another seed).
+  Then `--out` (benchmarks/results/recursion_evidence.json, written by recursion_report):
+  `modes.recursive.{before, after, paired{delta, ci95, n}, delegating_share{before, after},
+  success_by_num_targets{before, after}, rl_attempts}`, `modes.single.{before, after}`,
+  `vs_single{delta, ci95, n}` (recursive after minus single, paired per task), `readings`,
+  `training_by_num_targets`, `minutes`, a plot beside it and an HTML page of held-out trees.
 
   python -m experiments.recursion_evidence --stages=caps --scale=cpu --workdir=runs/recursion
   python -m experiments.recursion_evidence --scale=cpu --workdir=runs/recursion   # see below
@@ -31,6 +36,9 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   # 18-22 min, one RL step 4-11 min of rollouts and 2.5-7 min of learner (3 steps: 34 min);
   # single SFT 5, evaluations 1.5, RL 10. `--report_only` writes the result from the stages
   # on disk; `--rl_temperature` / `--rl_steps` / `--rl_lr` override the scale.
+  # The RL run with a rank-8 adapter, 16 trees a step and a task mix weighted to two-target
+  # tasks, from the same warm start (`cpu_lora` at _SCALES says why each setting):
+  python -m experiments.recursion_evidence --scale=cpu_lora --workdir=runs/recursion
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
   # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
@@ -47,6 +55,7 @@ from absl import app
 from absl import flags
 
 from experiments import learning_evidence as le
+from experiments.recursion_report import READINGS, STAGES, write_report
 
 # --workdir, --scale, --out and --modes are learning_evidence's flags (imported with its helpers);
 # where a command line does not set them, this experiment's own defaults apply.
@@ -107,6 +116,20 @@ _SCALES = {
                 tasks_per_step=2, group=4, ctx=2048, eval_diff="medium", train="medium",
                 lr=2e-6, slots=32, budget=8, max_depth=4, max_live_agents=64,
                 max_new_tokens=512, rl_temperature=0.4),
+    # The RL run with the levers the first lacked, every choice made on train tasks only:
+    # 16 trees a step (4 tasks x 4); two-target tasks, where the warm start fails (0 of 4
+    # sampled trees of the one two-target train task the first run drew; held-out 5/29 is
+    # the symptom, not the choice), drawn 3x as often (46 of the 100 train tasks have two
+    # targets: ~72% of draws); a rank-8 adapter at 3e-4, the rate bench_lora_rl picked on
+    # train trees (its 3 steps kept the program: sampled success 0.875/1.0/0.5, delegating
+    # 1.0), with the same one-step warm-up; rollouts at 0.4 as before (7/8 sampled train trees
+    # succeed at the warm start); lambda 0.5, the spec's default (no sweep was affordable); the
+    # step count is what the 3-hour budget leaves after the evaluations.
+    "cpu_lora": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2,
+                     rl_steps=6, tasks_per_step=4, group=4, ctx=2048, eval_diff="medium",
+                     train="medium", lr=3e-4, slots=32, budget=8, max_depth=4,
+                     max_live_agents=64, max_new_tokens=512, rl_temperature=0.4,
+                     lora_rank=8, lora_alpha=16.0, task_weights="target_items:2=3"),
     "gpu": dict(caps_tasks=200, eval_tasks=200, sft_steps=150, demos=256, sft_trees=8,
                 rl_steps=40, tasks_per_step=8, group=8, ctx=8192, eval_diff="hard",
                 train="medium", lr=2e-6, slots=64, budget=8, max_depth=8,
@@ -129,6 +152,17 @@ def config_for(mode: str, s: dict):
   # (0 of 8 trees of the first RL step at 1.0, 0.4 and 0.2). Fixed, the first step at 0.4 had
   # 7 of 8 trees succeed. The held-out set was not consulted for this choice.
   c.agent.temperature = s["rl_temperature"]
+  return c
+
+
+def rl_config_for(mode: str, s: dict):
+  """The RL stage's config: `config_for`'s, with the scale's adapter and task mix (the SFT
+  warm start is full-parameter either way; the adapter trains on top of it)."""
+  c = config_for(mode, s)
+  if s.get("lora_rank"):
+    c.model.lora.rank = s["lora_rank"]
+    c.model.lora.alpha = s["lora_alpha"]
+  c.rl.task_weights = s.get("task_weights", "")
   return c
 
 
@@ -317,8 +351,29 @@ async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
   return kept
 
 
-def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
-  """demos, sft, eval_before, rl, eval_after of one mode; (result, stage minutes)."""
+def reading_stage(src: str, name: str):
+  """A greedy held-out reading `name` (READINGS) of the checkpoint in `src`."""
+  r = READINGS[name]
+
+  def fn(d):
+    from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
+    res = evaluation.evaluate_checkpoint(src, num_tasks=r["tasks"], modes=("recursive",),
+                                         difficulties=(r["difficulty"],), out_dir=d,
+                                         overrides=r["overrides"])
+    return res["modes"]["recursive"][r["difficulty"]]
+  return fn
+
+
+def run_readings(root: str, which: str, names=tuple(READINGS)) -> dict:
+  """The readings of the warm start (`which="before"`) or of the RL policy ("after")."""
+  stages = le._Stages(os.path.join(root, "recursive"))  # pylint: disable=protected-access
+  src = os.path.join(root, "recursive", "sft" if which == "before" else "rl")
+  return {n: stages.run(f"reading_{n}_{which}", reading_stage(src, n)) for n in names}
+
+
+def run_stages(mode: str, s: dict, root: str, names=STAGES) -> tuple[dict, dict]:
+  """The stages `names` of one mode, in STAGES order, each once (a complete stage is read back);
+  returns ({stage: result}, {stage: minutes})."""
   from rao_jax import sft  # pylint: disable=g-import-not-at-top
   from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
   stages = le._Stages(os.path.join(root, mode))  # pylint: disable=protected-access
@@ -339,181 +394,26 @@ def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
     r = sft.run_sft(config_for(mode, s), d, demos_path=demos_file)
     return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
 
-  stages.run("demos", do_demos)
-  stages.run("sft", do_sft)
   diffs = (s["eval_diff"],)
-  before = stages.run("eval_before", le.eval_stage(mode, sft_dir, s["eval_tasks"], diffs)
-                      )[s["eval_diff"]]
-  stages.run("rl", le.rl_stage(config_for(mode, s), sft_dir))
-  after = stages.run("eval_after", le.eval_stage(mode, rl_dir, s["eval_tasks"], diffs)
-                     )[s["eval_diff"]]
-  return {"before": before, "after": after}, stages.minutes
+  fns = {"demos": do_demos, "sft": do_sft,
+         "eval_before": le.eval_stage(mode, sft_dir, s["eval_tasks"], diffs),
+         "rl": le.rl_stage(rl_config_for(mode, s), sft_dir),
+         "eval_after": le.eval_stage(mode, rl_dir, s["eval_tasks"], diffs)}
+  out = {name: stages.run(name, fns[name]) for name in STAGES if name in names}
+  return out, stages.minutes
 
 
-def summarize(raw: dict, root: str) -> dict:
-  """The result's `modes` and `vs_single` from each mode's held-out evaluations.
-
-  raw: {mode: {"before": eval result, "after": eval result or None (not run)}} where an eval
-    result has `success`, `ci95` and `per_task` ({task_id: success}). Where the recursive
-    `after` is None, `vs_single` compares its warm start and says so (`recursive_side`).
-  """
-  modes = {}
-  for mode, r in raw.items():
-    b, a = r["before"], r["after"]
-    m = {"before": b["success"], "before_ci95": b["ci95"], "after": a and a["success"],
-         "after_ci95": a and a["ci95"], "n": len(b["per_task"])}
-    if mode == "recursive":
-      m["paired"] = a and le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
-      shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
-                for st in ("eval_before", "eval_after")}
-      m["delegating_share"] = {
-          "before": (shapes["eval_before"] or {}).get("delegating_share"),
-          "after": (shapes["eval_after"] or {}).get("delegating_share")}
-      m["held_out_trees"] = shapes
-    modes[mode] = m
-  out = {"modes": modes}
-  if "recursive" in raw and (raw.get("single") or {}).get("after"):
-    rec = raw["recursive"]["after"] or raw["recursive"]["before"]
-    sing = raw["single"]["after"]["per_task"]
-    common = sorted(set(rec["per_task"]) & set(sing))
-    # Same held-out tasks, two policies: recursive minus single, paired per task.
-    out["vs_single"] = {
-        **le._paired({t: sing[t] for t in common},  # pylint: disable=protected-access
-                      {t: rec["per_task"][t] for t in common}),
-        "recursive_side": "after RL" if raw["recursive"]["after"] else
-                          "warm start (the RL stage applied no update)"}
-  return out
-
-
-def plot(result: dict, root: str, difficulty: str, path: str) -> None:
-  """learning_evidence's plot (training curves, held-out success before and after per mode)."""
-  le.plot({"modes": {m: {difficulty: {
-      "before": r["before"], "after": r["after"], "before_ci95": r["before_ci95"],
-      "after_ci95": r["after_ci95"], "paired": r.get("paired") or {"n": r.get("n")}}}
-      for m, r in result["modes"].items()}, "training": result.get("training", {})}, root, path)
-
-
-def rl_attempts(root: str, mode: str) -> list[dict]:
-  """RL runs of `mode` that were stopped and set aside (`rl_<why>_aborted` folders): what their
-  steps measured, so a null result keeps its diagnosis."""
-  out = []
-  base = os.path.join(root, mode)
-  for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-    if name.startswith("rl_") and name.endswith("_aborted"):
-      with open(os.path.join(base, name, "config.json")) as f:
-        temperature = json.load(f)["agent"]["temperature"]
-      out.append({"folder": name, "why": name[len("rl_"):-len("_aborted")].replace("_", " "),
-                  "temperature": temperature,
-                  "steps": le.training_summary(os.path.join(base, name))})
-  return out
-
-
-def report_from_disk(s: dict, root: str, modes) -> dict:
-  """The result from the stages complete on disk (`--report_only`): `complete: false` and the
-  missing stages when a mode has not finished. Where the recursive RL stage applied no update
-  (every sampled tree failed, so no group had a signal), its policy after RL is the warm start:
-  `vs_single` then compares the warm start with the single agent, and says so."""
-  raw, missing, minutes = {}, {}, {}
-  for mode in modes:
-    done = {}
-    for stage in ("demos", "sft", "eval_before", "rl", "eval_after"):
-      marker = os.path.join(root, mode, stage, "stage.json")
-      if os.path.exists(marker):
-        with open(marker) as f:
-          out = json.load(f)
-        done[stage] = out["result"]
-        minutes.setdefault(mode, {})[stage] = out.get("minutes", 0.0)
-    missing[mode] = [x for x in ("demos", "sft", "eval_before", "rl", "eval_after")
-                     if x not in done]
-    if "eval_before" in done:
-      raw[mode] = {"before": done["eval_before"][s["eval_diff"]],
-                   "after": done.get("eval_after", {}).get(s["eval_diff"])}
-  result = {**summarize(raw, root), "complete": not any(missing.values()), "missing": missing,
-            "stage_minutes": minutes,
-            "minutes": sum(sum(v.values()) for v in minutes.values())}
-  result["training"] = {m: le.training_summary(os.path.join(root, m, "rl")) for m in modes
-                        if os.path.exists(os.path.join(root, m, "rl", "metrics.jsonl"))}
-  if "recursive" in result["modes"]:
-    result["modes"]["recursive"]["rl_attempts"] = rl_attempts(root, "recursive")
-  return result
-
-
-def report_plot(result: dict, root: str, path: str) -> None:
-  """Left: success and delegating share of each RL step's sampled (train) trees, per RL run
-  (set-aside attempts included, labelled by temperature). Right: held-out greedy success, with
-  95% intervals, of every stage that ran (a missing stage has no bar)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 6.2))
-  runs = [(f"recursive, {a['why']} (set aside)", a["steps"])
-          for a in result["modes"].get("recursive", {}).get("rl_attempts", [])]
-  for mode in result["modes"]:
-    rl = os.path.join(root, mode, "rl")
-    if os.path.exists(os.path.join(rl, "metrics.jsonl")):
-      runs.append((f"{mode} RL", le.training_summary(rl)))
-  for label, tr in runs:
-    ys = [y for y in tr.get("success", []) if y is not None]
-    line, = ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{label}: success")
-    ds = [y for y in tr.get("delegating_share", []) if y is not None]
-    if ds:
-      ax0.plot(range(1, len(ds) + 1), ds, marker="x", ls="--", color=line.get_color(),
-               label=f"{label}: delegating")
-  ax0.set_xlabel("RL step")
-  ax0.set_ylabel("sampled train trees")
-  ax0.set_ylim(-0.02, 1.02)
-  # Below both panels: the curves stay visible and the axes keep their width.
-  fig.legend(*ax0.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
-  bars = []
-  for mode, r in result["modes"].items():
-    for stage in ("before", "after"):
-      if r.get(stage) is not None:
-        bars.append((f"{mode}\n{'warm start' if stage == 'before' else 'after RL'}",
-                     r[stage], r.get(f"{stage}_ci95")))
-  caps = result.get("caps_success") or {}
-  for key, label in (("recursive_program", "scripted\nrecursive"),
-                     ("single_program", "scripted\nsingle")):
-    if key in caps:
-      bars.append((label, caps[key], None))
-  for i, (label, y, ci) in enumerate(bars):
-    err = [[y - ci[0]], [ci[1] - y]] if ci else None
-    ax1.bar(i, y, 0.6, yerr=err, capsize=4, color="C0" if ci else "0.7")
-    ax1.text(i, y + 0.03, f"{y:.2f}", ha="center")
-  ax1.set_xticks(range(len(bars)), [b[0] for b in bars])
-  n = next(iter(result["modes"].values()))["n"]
-  ax1.set_ylabel(f"held-out success (SmolLM2: {n} tasks, greedy, 95% CI;\n"
-                 f"grey: scripted policies, {caps.get('tasks', '?')} tasks)")
-  ax1.set_ylim(0, 1.05)
-  fig.suptitle("TextCraft-Synth medium, 8 crafts per agent: SmolLM2-135M, recursive vs single")
-  fig.tight_layout(rect=(0, 0.2, 1, 1))
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def report_trees_page(root: str, modes, path: str, per_kind: int = 4) -> None:
-  """Held-out trees of each mode's evaluations (before and, where it ran, after RL): solved
-  and failed ones side by side."""
-  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
-  shown = []
-  for mode in modes:
-    for stage, label in (("eval_before", "warm start"), ("eval_after", "after RL")):
-      f = os.path.join(root, mode, stage, "trees.jsonl")
-      if not os.path.exists(f):
-        continue
-      trees = R.load_trees_jsonl(f)
-      for kind, keep in (("solved", True), ("failed", False)):
-        for t in [t for t in trees if bool(t.root.success) == keep][:per_kind]:
-          t.tree_id = f"[{mode}, {label}, {kind}] {t.tree_id}"
-          shown.append(t)
-  metrics_lib.write_html(shown, path, title="Held-out trees: TextCraft-Synth medium at a craft "
-                         "budget of 8 per agent")
+def run_mode(mode: str, s: dict, root: str) -> tuple[dict, dict]:
+  """demos, sft, eval_before, rl, eval_after of one mode; (result, stage minutes)."""
+  out, minutes = run_stages(mode, s, root)
+  return ({"before": out["eval_before"][s["eval_diff"]],
+           "after": out["eval_after"][s["eval_diff"]]}, minutes)
 
 
 def main(argv):
   del argv
   scale = _flag("scale")
-  s = dict(_SCALES[scale])
+  s = le.scale_of(_SCALES, scale)
   if _RL_TEMPERATURE.value is not None:
     s["rl_temperature"] = _RL_TEMPERATURE.value
   if _RL_STEPS.value is not None:
@@ -521,27 +421,12 @@ def main(argv):
   if _RL_LR.value is not None:
     s["lr"] = _RL_LR.value
   root = os.path.abspath(_flag("workdir"))
+  out = os.path.abspath(_flag("out"))
   if flags.FLAGS["report_only"].value:
-    result = {"scale": scale, "settings": s, **report_from_disk(s, root, _flag("modes"))}
-    with open(os.path.join(root, "caps", "stage.json")) as f:
-      caps = json.load(f)
-    result["caps"] = caps["result"]["verdict"]
-    result["caps_success"] = {
-        "tasks": caps["result"]["tasks"],
-        **{k: v["success"] for k, v in caps["result"]["policies"].items()},
-        "single_agent_upper_bound": caps["result"]["single_agent_upper_bound"]["success"]}
-    result["minutes"] += caps["minutes"]
-    out = os.path.abspath(_flag("out"))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(result, f, indent=2)
-    stem = os.path.splitext(out)[0]
-    report_plot(result, root, stem + ".png")
-    report_trees_page(root, list(result["modes"]), stem + "_trees.html")
+    result = write_report(scale, s, root, _flag("modes"), out)
     print(json.dumps({k: result[k] for k in ("complete", "missing", "minutes")}))
     return
   stages = le._Stages(root)  # pylint: disable=protected-access
-  t0 = time.time()
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
   caps_out = os.path.abspath(_CAPS_OUT.value)
   os.makedirs(os.path.dirname(caps_out), exist_ok=True)
@@ -550,23 +435,13 @@ def main(argv):
   print(json.dumps({k: caps[k] for k in ("single_agent_upper_bound", "verdict")}), flush=True)
   if _STAGES.value == "caps":
     return
-  raw, minutes = {}, {"caps": stages.minutes["caps"]}
   for mode in _flag("modes"):
-    raw[mode], minutes[mode] = run_mode(mode, s, root)
-  result = {"scale": scale, "settings": s, "caps": caps["verdict"], **summarize(raw, root),
-            "stage_minutes": minutes,
-            "minutes": minutes["caps"] + sum(sum(m.values()) for k, m in minutes.items()
-                                             if k != "caps"),
-            "minutes_this_invocation": (time.time() - t0) / 60,
-            "training": {m: le.training_summary(os.path.join(root, m, "rl")) for m in raw}}
-  out = os.path.abspath(_flag("out"))
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=2)
-  stem = os.path.splitext(out)[0]
-  plot(result, root, s["eval_diff"], stem + ".png")
-  le.trees_page(root, list(raw), stem + "_trees.html")
-  print(json.dumps(result))
+    run_stages(mode, s, root)
+  if "recursive" in _flag("modes"):
+    run_readings(root, "before")
+    run_readings(root, "after")
+  result = write_report(scale, s, root, _flag("modes"), out)
+  print(json.dumps({k: result[k] for k in ("modes", "vs_single", "readings", "minutes")}))
 
 
 if __name__ == "__main__":

@@ -68,16 +68,35 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | 
                         modes: Sequence[str] = ("recursive", "single"),
                         difficulties: Sequence[str] | None = None,
                         out_dir: str | None = None, samples: int = 0,
-                        task_files: dict[str, str] | None = None) -> dict[str, Any]:
+                        task_files: dict[str, str] | None = None,
+                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
   """Evaluates `workdir`'s checkpoint `step` (default: newest). Returns the results dict.
 
   ``results["modes"][mode][difficulty]`` holds greedy ``success``, ``ci95``, ``num_tasks``,
   ``per_task`` and tree statistics; with ``samples=K > 0`` also ``pass_at_k`` ({"1": ...,
   "K": ...}), ``sampled_success`` and ``per_task_passes`` from K sampled trees per task.
   ``task_files`` ({split: path}) adds to / overrides the run config's ``env.task_files``.
+  ``overrides`` ({"env.kwargs.seed": 1, "agent.max_depth": 8}) changes the run's config for
+  this evaluation only: another world, a deeper tree limit; the checkpoint is unchanged.
   """
   return asyncio.run(_evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
-                               samples, task_files))
+                               samples, task_files, overrides))
+
+
+def apply_overrides(config, overrides: dict[str, Any] | None) -> None:
+  """Sets dotted keys of `config` in place; an unknown key is an error naming it."""
+  for key, value in (overrides or {}).items():
+    *path, leaf = key.split(".")
+    node = config
+    for i, part in enumerate(path):
+      if part not in node:
+        raise ValueError(f"override {key!r}: the config has no {'.'.join(path[:i + 1])!r}.")
+      node = node[part]
+    # env.kwargs is the environment's own free-form section: a new key is a new argument there.
+    if leaf not in node and ".".join(path) != "env.kwargs":
+      raise ValueError(f"override {key!r}: the config has no {key!r} (known under "
+                       f"{'.'.join(path) or 'the root'}: {sorted(node.keys())}).")
+    node[leaf] = value
 
 
 def evaluate_model(config, model: str | None = None, server_urls: Sequence[str] | None = None,
@@ -246,10 +265,11 @@ def load_checkpoint(workdir: str, step: int | None = None):
 
 
 async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
-                    samples=0, task_files=None) -> dict[str, Any]:
+                    samples=0, task_files=None, overrides=None) -> dict[str, Any]:
   _check(modes, samples)
   workdir = os.path.abspath(workdir)
   model, tokenizer, step, config = load_checkpoint(workdir, step)
+  apply_overrides(config, overrides)
   env = make_env(config, task_files)
   engine = X.make_engine(config, model, tokenizer, weight_version=f"ckpt{step}")
   del model

@@ -76,12 +76,62 @@ def task_split(env: env_base.Environment, split: str, difficulty: str | None) ->
 
 
 def train_tasks_for_step(tasks: Sequence[env_base.Task], step: int, n: int,
-                         seed: int) -> list[env_base.Task]:
+                         seed: int, weights: str = "") -> list[env_base.Task]:
   """The root tasks of RL step `step`: a pure function of (seed, step), so a resumed run
-  draws exactly the tasks the uninterrupted run would have (the data position is the step)."""
+  draws exactly the tasks the uninterrupted run would have (the data position is the step).
+  `weights` (`parse_task_weights`) makes some tasks likelier; drawn without replacement."""
   rng = np.random.default_rng([seed, step])
-  idx = rng.choice(len(tasks), size=min(n, len(tasks)), replace=False)
+  p = None
+  if weights:
+    w = task_weights(tasks, weights)
+    p = w / w.sum()
+    n = min(n, int((w > 0).sum()))
+  idx = rng.choice(len(tasks), size=min(n, len(tasks)), replace=False, p=p)
   return [tasks[i] for i in idx]
+
+
+def parse_task_weights(spec: str) -> list[tuple[str, str, float]]:
+  """`"FIELD:VALUE=WEIGHT,..."` -> [(field, value, weight)].
+
+  A task whose `fields[FIELD]` equals VALUE (compared as text; for a mapping or a list, its
+  number of entries) weighs WEIGHT; a task no rule matches weighs 1. E.g.
+  `"target_items:2=3"`: TextCraft tasks with two target items are drawn three times as often.
+  """
+  rules = []
+  for part in filter(None, (x.strip() for x in spec.split(","))):
+    head, eq, weight = part.rpartition("=")
+    field, colon, value = head.partition(":")
+    try:
+      w = float(weight)
+    except ValueError:
+      w = -1.0
+    if not (eq and colon and field and value) or not w >= 0:
+      raise ValueError(f"config.rl.task_weights={spec!r}: {part!r} is not FIELD:VALUE=WEIGHT "
+                       "with WEIGHT >= 0, e.g. 'target_items:2=3'.")
+    rules.append((field, value, w))
+  return rules
+
+
+def task_weights(tasks: Sequence[env_base.Task], spec: str) -> np.ndarray:
+  """Each task's draw weight under `spec` (`parse_task_weights`)."""
+  rules = parse_task_weights(spec)
+  fields = {f for f, _, _ in rules}
+  missing = [f for f in fields if not any(f in t.fields for t in tasks)]
+  if missing:
+    known = sorted({k for t in tasks for k in t.fields})
+    raise ValueError(f"config.rl.task_weights: no train task has the field(s) {missing}; "
+                     f"the tasks' fields are {known}.")
+  out = np.ones(len(tasks))
+  for i, t in enumerate(tasks):
+    for field, value, w in rules:
+      if field in t.fields:
+        v = t.fields[field]
+        text = str(len(v)) if isinstance(v, (dict, list, tuple)) else str(v)
+        if text == value:
+          out[i] = w
+  if not out.sum() > 0:
+    raise ValueError(f"config.rl.task_weights={spec!r} gives every train task weight 0.")
+  return out
 
 
 def eval_tasks(env: env_base.Environment, difficulty: str, n: int) -> list[env_base.Task]:
@@ -350,6 +400,9 @@ class RLConfig:
     rollout_deadline_s: seconds per step's rollouts before trees are cut; 0 = no deadline.
     deadline_rule: cut trees are scored as they stand ("unfinished") or drop their group
       ("drop_group").
+    task_weights: "" (uniform) or "FIELD:VALUE=WEIGHT,...": train tasks some rule matches are
+      drawn WEIGHT times as often (`parse_task_weights`), e.g. to weight a task mix towards
+      the tasks the policy still fails.
   """
   total_steps: int
   group_size: int = 8
@@ -361,6 +414,7 @@ class RLConfig:
   infra_retries: int = 1
   rollout_deadline_s: float = 0.0
   deadline_rule: str = "unfinished"
+  task_weights: str = ""
 
   def __post_init__(self):
     def key(name):
@@ -398,6 +452,7 @@ class RLConfig:
     if self.deadline_rule not in DEADLINE_RULES:
       raise ValueError(f"config.rl.deadline_rule={self.deadline_rule!r}: use one of "
                        f"{DEADLINE_RULES}.")
+    parse_task_weights(self.task_weights)
 
   @property
   def deadline_s(self) -> float | None:
@@ -413,7 +468,7 @@ def rl_config(config) -> RLConfig:
       tasks_per_step=rl.tasks_per_step, loss=rl.loss, overlap=rl.overlap,
       max_staleness=rl.max_staleness, max_nonfinite_steps=rl.max_nonfinite_steps,
       infra_retries=rl.infra_retries, rollout_deadline_s=rl.rollout_deadline_s,
-      deadline_rule=rl.deadline_rule)
+      deadline_rule=rl.deadline_rule, task_weights=rl.get("task_weights", ""))
 
 
 def engine_config(config):

@@ -177,6 +177,8 @@ class Trainer:
       X.save_config(config, self.workdir)
     self.env = X.make_env(config)
     self.train_tasks = X.task_split(self.env, "train", config.env.train_difficulty)
+    if self.rl.task_weights:   # a bad rule fails here, not at the first step's rollouts
+      X.task_weights(self.train_tasks, self.rl.task_weights)
     model, self.tokenizer = X.load_policy(config)
     self.model_cfg = model.cfg
 
@@ -275,7 +277,7 @@ class Trainer:
     """(trees to train on, stats, every tree run, fault counters) of step `step`."""
     rl = self.rl
     tasks = X.train_tasks_for_step(self.train_tasks, step, rl.tasks_per_step,
-                                   int(self.config.env.train_seed))
+                                   int(self.config.env.train_seed), rl.task_weights)
     tasks = process_share(tasks, self.process, self.num_processes)
     t0 = time.perf_counter()
     deadline = t0 + rl.deadline_s if rl.deadline_s else None

@@ -126,6 +126,40 @@ def test_train_tasks_are_a_pure_function_of_seed_and_step():
   assert not held_out & {t.task_id for t in tasks}
 
 
+def test_task_weights_draw_the_weighted_tasks_more_often_and_name_bad_rules():
+  c = textcraft_synth.get_config("recursive,smoke")
+  tasks = X.task_split(X.make_env(c), "train", "medium")
+  two = {t.task_id for t in tasks if len(t.fields["target_items"]) == 2}
+  assert 0 < len(two) < len(tasks)
+
+  def share(spec):
+    drawn = [t.task_id for s in range(200) for t in X.train_tasks_for_step(tasks, s, 2, 1, spec)]
+    return sum(x in two for x in drawn) / len(drawn)
+  uniform, weighted = share(""), share("target_items:2=4")
+  assert weighted > uniform + 0.2
+  assert share("target_items:1=0") == 1.0   # weight 0: never drawn
+  # Pure in (seed, step), as the uniform draw: a resumed run draws the same tasks.
+  assert X.train_tasks_for_step(tasks, 3, 4, 1, "target_items:2=4") == \
+      X.train_tasks_for_step(tasks, 3, 4, 1, "target_items:2=4")
+  with pytest.raises(ValueError, match="'target_items=2' is not FIELD:VALUE=WEIGHT"):
+    X.RLConfig(total_steps=1, task_weights="target_items=2")
+  with pytest.raises(ValueError, match="no train task has the field"):
+    X.task_weights(tasks, "targets:2=3")
+  with pytest.raises(ValueError, match="every train task weight 0"):
+    X.task_weights(tasks, "target_items:1=0,target_items:2=0")
+
+
+def test_evaluation_overrides_set_known_keys_and_name_unknown_ones():
+  from rao_jax import evaluation
+  c = textcraft_synth.get_config("recursive,smoke")
+  evaluation.apply_overrides(c, {"agent.max_depth": 7, "env.kwargs.seed": 3})
+  assert c.agent.max_depth == 7 and c.env.kwargs.seed == 3
+  with pytest.raises(ValueError, match="'agent.max_dept'"):
+    evaluation.apply_overrides(c, {"agent.max_dept": 7})
+  with pytest.raises(ValueError, match="no 'agnt'"):
+    evaluation.apply_overrides(c, {"agnt.max_depth": 7})
+
+
 def test_binomial_ci():
   lo, hi = X.binomial_ci95([1.0] * 50 + [0.0] * 50)
   assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * 0.5025 / 10, rel=1e-2)

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from experiments import recursion_evidence as rev
+from experiments import recursion_report as rep
 from rao_jax import experiment as X
 from rao_jax.agent import chat, records as R
 
@@ -72,7 +73,7 @@ def test_summary_has_the_issue_shape(tmp_path):
                                                 for i, t in enumerate(tasks)])
   raw = {"recursive": {"before": ev(2), "after": ev(7)}, "single": {"before": ev(1),
                                                                      "after": ev(1)}}
-  out = rev.summarize(raw, str(tmp_path))
+  out = rep.summarize(raw, str(tmp_path))
   rec = out["modes"]["recursive"]
   assert (rec["before"], rec["after"]) == (0.2, 0.7)
   assert rec["paired"]["delta"] == pytest.approx(0.5) and rec["paired"]["n"] == 10
@@ -109,7 +110,7 @@ def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp
   (aborted / "config.json").write_text(json.dumps({"agent": {"temperature": 1.0}}))
   (aborted / "metrics.jsonl").write_text(json.dumps(
       {"step": 1, "train/success": 0.0, "train/delegating_share": 0.0}) + "\n")
-  out = rev.report_from_disk(dict(rev._SCALES["cpu"]), str(tmp_path), ["recursive", "single"])
+  out = rep.report_from_disk(dict(rev._SCALES["cpu"]), str(tmp_path), ["recursive", "single"])
   assert out["complete"] is False
   assert out["missing"] == {"recursive": ["rl", "eval_after"], "single": []}
   rec = out["modes"]["recursive"]
@@ -121,6 +122,81 @@ def test_report_from_disk_keeps_a_stopped_rl_stage_and_says_what_it_compared(tmp
   assert out["vs_single"]["delta"] == pytest.approx(0.5)
   assert out["vs_single"]["recursive_side"].startswith("warm start")
   assert out["minutes"] == pytest.approx(1.5 * 8)
+
+
+def test_rl_config_of_the_lora_scale_carries_the_adapter_and_the_task_mix():
+  s = rev._SCALES["cpu_lora"]
+  c = rev.rl_config_for("recursive", s)
+  assert c.model.lora.rank == s["lora_rank"] > 0 and c.rl.task_weights == s["task_weights"]
+  assert X.rl_config(c).tasks_per_step * X.rl_config(c).group_size >= 16
+  # The warm start (SFT) is full-parameter: config_for carries no adapter.
+  assert rev.config_for("recursive", s).model.lora.rank == 0
+  tasks = X.task_split(X.make_env(c), "train", s["train"])
+  w = X.task_weights(tasks, c.rl.task_weights)
+  two = [len(t.fields["target_items"]) == 2 for t in tasks]
+  assert all((x == 3.0) == y for x, y in zip(w, two))
+
+
+def test_report_reads_the_further_readings_and_keeps_earlier_attempts(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  tasks = [f"t{i}" for i in range(8)]
+
+  def stage(mode, name, result, trees=None):
+    d = tmp_path / mode / name
+    d.mkdir(parents=True)
+    (d / "stage.json").write_text(json.dumps({"minutes": 2.0, "result": result}))
+    if trees:
+      R.save_trees_jsonl(str(d / "trees.jsonl"), trees)
+
+  def ev(k, diff="medium"):
+    r = {"success": k / 8, "ci95": [0.0, 1.0],
+         "per_task": {t: float(i < k) for i, t in enumerate(tasks)}}
+    return {diff: r}
+  for name, k in (("eval_before", 3), ("eval_after", 6)):
+    stage("recursive", name, ev(k), [_tree(t, 3, float(i < k)) for i, t in enumerate(tasks)])
+  stage("single", "eval_before", ev(1))
+  stage("recursive", "reading_hard_before", ev(1, "hard")["hard"])
+  stage("recursive", "reading_hard_after", ev(4, "hard")["hard"],
+        [_tree(t, 5, float(i < 4)) for i, t in enumerate(tasks)])
+  previous = {"modes": {"recursive": {"rl_attempts": [
+      {"folder": "rl_full_2e-06", "why": "kept then; set aside", "steps": {}}]}}}
+  out = rep.report_from_disk(dict(rev._SCALES["cpu_lora"]), str(tmp_path),
+                             ["recursive", "single"], previous)
+  rec = out["modes"]["recursive"]
+  assert rec["paired"]["delta"] == pytest.approx(3 / 8)
+  hard = out["readings"]["hard"]
+  assert (hard["before"], hard["after"]) == (1 / 8, 4 / 8)
+  assert hard["paired"]["improved"] == 3 and hard["overrides"]["agent.max_depth"] == 8
+  assert "other_world" not in out["readings"]          # not run: no entry, no made-up figure
+  assert out["vs_single"]["single_side"].startswith("warm start")
+  assert out["vs_single"]["delta"] == pytest.approx(5 / 8)
+  (kept,) = rec["rl_attempts"]
+  assert kept["folder"] == "rl_full_2e-06" and kept["folder_kept"] is False
+  assert out["stage_minutes"]["recursive"]["reading_hard_after"] == 2.0
+  assert out["minutes"] == pytest.approx(2.0 * 5)
+  # The written result: the JSON (earlier attempts carried from the file it replaces), the
+  # plot with the readings' bars, the trees page.
+  path = tmp_path / "result.json"
+  path.write_text(json.dumps(previous))
+  res = rep.write_report("cpu_lora", dict(rev._SCALES["cpu_lora"]), str(tmp_path),
+                         ["recursive", "single"], str(path))
+  assert json.loads(path.read_text())["readings"]["hard"]["after"] == 0.5
+  assert res["modes"]["recursive"]["rl_attempts"][0]["folder"] == "rl_full_2e-06"
+  assert (tmp_path / "result.png").read_bytes()[:4] == b"\x89PNG"
+  assert "hard, after RL" in (tmp_path / "result_trees.html").read_text()
+
+
+def test_train_trees_by_number_of_targets(tmp_path):
+  def tree(i, n, ok):
+    t = _tree(f"t{i}", 2, float(ok))
+    t.root.task_fields = {"target_items": {f"x{j}": 1 for j in range(n)}}
+    return t
+  d = tmp_path / "rl" / "trees"
+  d.mkdir(parents=True)
+  R.save_trees_jsonl(str(d / "step_000000.jsonl"),
+                     [tree(0, 1, 1), tree(1, 2, 0), tree(2, 2, 1), tree(3, 2, 0)])
+  (step,) = rep.train_by_num_targets(str(tmp_path / "rl"))
+  assert step == {"1": {"trees": 1, "success": 1.0}, "2": {"trees": 3, "success": 1 / 3}}
 
 
 @pytest.mark.parametrize("mode", ["recursive", "single"])
@@ -149,6 +225,6 @@ def test_plot_of_the_result(tmp_path):
                  "after_ci95": [0.0, 0.1]}},
       "training": {"recursive": {"success": [0.1, 0.3], "tree_nodes": [5.0, 5.5]}}}
   path = str(tmp_path / "recursion.png")
-  rev.plot(result, str(tmp_path), "medium", path)
+  rep.plot(result, str(tmp_path), "medium", path)
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

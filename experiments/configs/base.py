@@ -96,6 +96,8 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.rollout_deadline_s = 0.0      # seconds per step's rollouts, then trees are cut; 0 = none
   c.rl.deadline_rule = "unfinished"  # cut trees: "unfinished" (scored as they stand) |
                                      # "drop_group" (their groups leave the batch)
+  c.rl.task_weights = ""             # "FIELD:VALUE=WEIGHT,...": draw matching train tasks
+                                     # WEIGHT times as often ("": uniform)
 
   c.judge = config_dict.ConfigDict()  # success of nodes no verifier covers (else the proxy)
   c.judge.train = "none"             # none | rule (finished with an answer) | model (LLM judge)

@@ -48,6 +48,22 @@ _SAMPLES = flags.DEFINE_integer(
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder (default: see above).")
 _TEST_TASKS = flags.DEFINE_string(
     "test_tasks", None, "A JSONL task file to evaluate on instead of the held-out split.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "KEY=VALUE (JSON value) changing the run's config for this evaluation only, "
+    "e.g. --set=env.kwargs.seed=1 (another world) --set=agent.max_depth=8.")
+
+
+def _overrides(items) -> dict:
+  out = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+      raise app.UsageError(f"--set={item!r}: use KEY=VALUE, e.g. --set=agent.max_depth=8.")
+    try:
+      out[key] = json.loads(raw)
+    except json.JSONDecodeError:
+      out[key] = raw   # a bare string
+  return out
 
 
 def main(argv):
@@ -61,8 +77,12 @@ def main(argv):
                            "evaluate without one. Give one of them.")
     res = evaluation.evaluate_checkpoint(_WORKDIR.value, _STEP.value, _NUM_TASKS.value,
                                          _MODES.value, _DIFFS.value, _OUT_DIR.value,
-                                         samples=_SAMPLES.value, task_files=files)
+                                         samples=_SAMPLES.value, task_files=files,
+                                         overrides=_overrides(_SET.value))
   else:
+    if _SET.value:
+      raise app.UsageError("--set changes a run's config: give it with --workdir (with "
+                           "--config, edit the config instead).")
     if _CONFIG.value is None:
       raise app.UsageError("Give --workdir=DIR (a training run), or --config=... with "
                            "--model=NAME or --server_url=URL.")
