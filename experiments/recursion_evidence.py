@@ -126,7 +126,7 @@ _SCALES = {
     # succeed at the warm start); lambda 0.5, the spec's default (no sweep was affordable); the
     # step count is what the 3-hour budget leaves after the evaluations.
     "cpu_lora": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2,
-                     rl_steps=6, tasks_per_step=4, group=4, ctx=2048, eval_diff="medium",
+                     rl_steps=4, tasks_per_step=4, group=4, ctx=2048, eval_diff="medium",
                      train="medium", lr=3e-4, slots=32, budget=8, max_depth=4,
                      max_live_agents=64, max_new_tokens=512, rl_temperature=0.4,
                      lora_rank=8, lora_alpha=16.0, task_weights="target_items:2=3"),

@@ -69,7 +69,8 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | 
                         difficulties: Sequence[str] | None = None,
                         out_dir: str | None = None, samples: int = 0,
                         task_files: dict[str, str] | None = None,
-                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                        overrides: dict[str, Any] | None = None,
+                        adapter: str | None = None) -> dict[str, Any]:
   """Evaluates `workdir`'s checkpoint `step` (default: newest). Returns the results dict.
 
   ``results["modes"][mode][difficulty]`` holds greedy ``success``, ``ci95``, ``num_tasks``,
@@ -78,9 +79,12 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | 
   ``task_files`` ({split: path}) adds to / overrides the run config's ``env.task_files``.
   ``overrides`` ({"env.kwargs.seed": 1, "agent.max_depth": 8}) changes the run's config for
   this evaluation only: another world, a deeper tree limit; the checkpoint is unchanged.
+  ``adapter``: a PEFT LoRA adapter folder (``rao-export`` writes one) applied on top of the
+  checkpoint's weights, e.g. an adapter trained from this run as its base; the checkpoint
+  must be a full-parameter one (the adapter takes the place of any other).
   """
   return asyncio.run(_evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
-                               samples, task_files, overrides))
+                               samples, task_files, overrides, adapter))
 
 
 def apply_overrides(config, overrides: dict[str, Any] | None) -> None:
@@ -265,15 +269,22 @@ def load_checkpoint(workdir: str, step: int | None = None):
 
 
 async def _evaluate(workdir, step, num_tasks, modes, difficulties, out_dir,
-                    samples=0, task_files=None, overrides=None) -> dict[str, Any]:
+                    samples=0, task_files=None, overrides=None, adapter=None) -> dict[str, Any]:
   _check(modes, samples)
   workdir = os.path.abspath(workdir)
   model, tokenizer, step, config = load_checkpoint(workdir, step)
   apply_overrides(config, overrides)
+  if adapter:
+    if model.cfg.lora.enabled:
+      raise ValueError(f"adapter={adapter!r}: {workdir} is a LoRA run (its checkpoint is an "
+                       "adapter); give a full-parameter run as the base, e.g. the run the "
+                       "adapter was trained from (its ckpt.init_from).")
+    from rao_jax.model import peft  # pylint: disable=g-import-not-at-top
+    peft.load_adapter(adapter, model)
   env = make_env(config, task_files)
   engine = X.make_engine(config, model, tokenizer, weight_version=f"ckpt{step}")
   del model
   out_dir = out_dir or os.path.join(workdir, "evaluation", f"step_{step:06d}")
-  results: dict[str, Any] = {"workdir": workdir, "step": step}
+  results: dict[str, Any] = {"workdir": workdir, "step": step, "adapter": adapter}
   return await _run_eval(config, env, engine, tokenizer, results, num_tasks, modes,
                          difficulties, out_dir, samples, f"Evaluation of step {step}")

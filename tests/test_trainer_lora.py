@@ -68,4 +68,35 @@ def test_lora_run_trains_syncs_checkpoints_resumes_and_evaluates(tiny_hf_dir, tm
   assert [r["step"] for r in _metrics(wd) if "train/success" in r] == [1, 2, 3]
   ev = evaluation.evaluate_checkpoint(wd, num_tasks=1, modes=("recursive",))
   assert ev["step"] == 3
+
+  # The adapter exported in PEFT's format, applied on top of a full-parameter run's checkpoint
+  # with the same base weights (lr 0): the same greedy trees as the LoRA run's own evaluation.
+  from rao_jax.model import peft
+  model, _, _, _ = evaluation.load_checkpoint(wd)
+  peft.save_adapter(model, str(tmp_path / "adapter"))
+  base_cfg = _config(tiny_hf_dir, 1)
+  base_cfg.optim.lr = 0.0
+  base_cfg.eval.every = 0
+  assert not trainer.train(base_cfg, str(tmp_path / "base"))["stopped"]
+  ev2 = evaluation.evaluate_checkpoint(str(tmp_path / "base"), num_tasks=1, modes=("recursive",),
+                                       adapter=str(tmp_path / "adapter"),
+                                       out_dir=str(tmp_path / "ev2"))
+  assert ev2["adapter"] == str(tmp_path / "adapter")
+  from rao_jax.agent import records as R
+  tokens = lambda d: [[n.token_ids for n in t.nodes]   # noqa: E731
+                      for t in R.load_trees_jsonl(os.path.join(d, "trees.jsonl"))]
+  assert tokens(ev["out_dir"]) == tokens(str(tmp_path / "ev2"))
+  # And the adapter is really applied: a large random one changes the greedy trees.
+  import numpy as np
+  rng = np.random.default_rng(0)
+  for name, var in vars(model.lora).items():
+    if name.endswith("_b"):
+      var[...] = rng.normal(0, 1.0, var.shape).astype(np.float32)
+  peft.save_adapter(model, str(tmp_path / "random_adapter"))
+  for name, kw in (("ev_base", {}), ("ev_rand", {"adapter": str(tmp_path / "random_adapter")})):
+    evaluation.evaluate_checkpoint(str(tmp_path / "base"), num_tasks=1, modes=("recursive",),
+                                   out_dir=str(tmp_path / name), **kw)
+  assert tokens(str(tmp_path / "ev_base")) != tokens(str(tmp_path / "ev_rand"))
+  with pytest.raises(ValueError, match="is a LoRA run"):
+    evaluation.evaluate_checkpoint(wd, num_tasks=1, adapter=str(tmp_path / "adapter"))
   jax.clear_caches()

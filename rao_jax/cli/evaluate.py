@@ -53,6 +53,11 @@ _SET = flags.DEFINE_multi_string(
     "e.g. --set=env.kwargs.seed=1 (another world) --set=agent.max_depth=8.")
 
 
+_ADAPTER = flags.DEFINE_string(
+    "adapter", None, "A PEFT LoRA adapter folder (rao-export writes one) applied on top of "
+    "--workdir's full-parameter checkpoint, e.g. an adapter trained from that run.")
+
+
 def _overrides(items) -> dict:
   out = {}
   for item in items:
@@ -78,11 +83,13 @@ def main(argv):
     res = evaluation.evaluate_checkpoint(_WORKDIR.value, _STEP.value, _NUM_TASKS.value,
                                          _MODES.value, _DIFFS.value, _OUT_DIR.value,
                                          samples=_SAMPLES.value, task_files=files,
-                                         overrides=_overrides(_SET.value))
+                                         overrides=_overrides(_SET.value),
+                                         adapter=_ADAPTER.value)
   else:
-    if _SET.value:
-      raise app.UsageError("--set changes a run's config: give it with --workdir (with "
-                           "--config, edit the config instead).")
+    if _SET.value or _ADAPTER.value:
+      raise app.UsageError("--set and --adapter apply to a run's checkpoint: give them with "
+                           "--workdir (with --config, edit the config or merge the adapter "
+                           "with rao-export --merge).")
     if _CONFIG.value is None:
       raise app.UsageError("Give --workdir=DIR (a training run), or --config=... with "
                            "--model=NAME or --server_url=URL.")
