@@ -69,6 +69,9 @@ _RL_TEMPERATURE = flags.DEFINE_float(
     "rl_temperature", None, "RL rollout temperature (default: the scale's `rl_temperature`).")
 _RL_STEPS = flags.DEFINE_integer("rl_steps", None, "RL steps (default: the scale's `rl_steps`).")
 _RL_LR = flags.DEFINE_float("rl_lr", None, "RL learning rate (default: the scale's `lr`).")
+_STOP_AFTER = flags.DEFINE_enum(
+    "stop_after", None, list(STAGES), "Run each mode's stages up to this one and stop (e.g. "
+    "`sft`: rebuild the warm start a committed adapter was trained from).")
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
@@ -434,6 +437,11 @@ def main(argv):
     json.dump({"scale": scale, "minutes": stages.minutes["caps"], **caps}, f, indent=2)
   print(json.dumps({k: caps[k] for k in ("single_agent_upper_bound", "verdict")}), flush=True)
   if _STAGES.value == "caps":
+    return
+  if _STOP_AFTER.value:
+    names = STAGES[:STAGES.index(_STOP_AFTER.value) + 1]
+    for mode in _flag("modes"):
+      run_stages(mode, s, root, names)
     return
   for mode in _flag("modes"):
     run_stages(mode, s, root)

@@ -110,6 +110,17 @@ def rl_attempts(root: str, mode: str) -> list[dict]:
   return out
 
 
+def rl_minutes(rl_dir: str) -> float:
+  """Minutes an RL run's steps took (their recorded step times plus warm-ups), from its
+  metrics: a stopped and resumed run counted once."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  path = os.path.join(rl_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0.0
+  rows = [r for r in metrics_lib.read_metrics(path) if "train/time/step_s" in r]
+  return sum(r["train/time/step_s"] + r.get("train/time/warmup_s", 0.0) for r in rows) / 60
+
+
 def _marker(path: str) -> dict | None:
   if not os.path.exists(path):
     return None
@@ -163,6 +174,11 @@ def report_from_disk(s: dict, root: str, modes, previous: dict | None = None) ->
       if out is not None:
         done[stage] = out["result"]
         minutes.setdefault(mode, {})[stage] = out.get("minutes", 0.0)
+    if "rl" in done:
+      # A stopped and resumed RL stage's marker times only its last invocation; the steps'
+      # own times (and the engine's warm-up) are the stage's cost.
+      spent = rl_minutes(os.path.join(root, mode, "rl"))
+      minutes[mode]["rl"] = max(minutes[mode]["rl"], spent)
     missing[mode] = [x for x in STAGES if x not in done]
     if "eval_before" in done:
       raw[mode] = {"before": done["eval_before"][s["eval_diff"]],
@@ -180,9 +196,21 @@ def report_from_disk(s: dict, root: str, modes, previous: dict | None = None) ->
   if "recursive" in result["modes"]:
     attempts = rl_attempts(root, "recursive")
     on_disk = {a["folder"] for a in attempts}
-    for a in ((previous or {}).get("modes", {}).get("recursive", {}).get("rl_attempts") or []):
+    prev_rec = (previous or {}).get("modes", {}).get("recursive", {})
+    for a in prev_rec.get("rl_attempts") or []:
       if a.get("folder") not in on_disk:
         attempts.append({**a, "folder_kept": a.get("folder_kept", False)})
+    # An earlier complete run under other settings is an attempt too: what it changed.
+    if previous and previous.get("settings") not in (None, s) and prev_rec.get("after"):
+      p = previous["settings"]
+      name = f"rl_{previous.get('scale', 'earlier')}_lr{p.get('lr')}_{p.get('rl_steps')}_steps"
+      if name not in {a.get("folder") for a in attempts}:
+        attempts.append({
+            "folder": name, "folder_kept": False,
+            "why": "the earlier run's RL, replaced by this one (its settings below)",
+            "temperature": p.get("rl_temperature"), "settings": p,
+            "held_out": {k: prev_rec.get(k) for k in ("before", "after", "paired")},
+            "steps": (previous.get("training") or {}).get("recursive", {})})
     result["modes"]["recursive"]["rl_attempts"] = attempts
   return result
 

@@ -158,8 +158,10 @@ def test_report_reads_the_further_readings_and_keeps_earlier_attempts(tmp_path):
   stage("recursive", "reading_hard_before", ev(1, "hard")["hard"])
   stage("recursive", "reading_hard_after", ev(4, "hard")["hard"],
         [_tree(t, 5, float(i < 4)) for i, t in enumerate(tasks)])
-  previous = {"modes": {"recursive": {"rl_attempts": [
-      {"folder": "rl_full_2e-06", "why": "kept then; set aside", "steps": {}}]}}}
+  previous = {"scale": "cpu", "settings": dict(rev._SCALES["cpu"]), "training": {},
+              "modes": {"recursive": {"before": 0.5, "after": 0.5, "paired": {"delta": 0.0},
+                                      "rl_attempts": [{"folder": "rl_full_2e-06",
+                                                       "why": "kept then", "steps": {}}]}}}
   out = rep.report_from_disk(dict(rev._SCALES["cpu_lora"]), str(tmp_path),
                              ["recursive", "single"], previous)
   rec = out["modes"]["recursive"]
@@ -170,8 +172,10 @@ def test_report_reads_the_further_readings_and_keeps_earlier_attempts(tmp_path):
   assert "other_world" not in out["readings"]          # not run: no entry, no made-up figure
   assert out["vs_single"]["single_side"].startswith("warm start")
   assert out["vs_single"]["delta"] == pytest.approx(5 / 8)
-  (kept,) = rec["rl_attempts"]
+  kept, earlier = rec["rl_attempts"]
   assert kept["folder"] == "rl_full_2e-06" and kept["folder_kept"] is False
+  # The earlier result's own run, under other settings, is kept as an attempt with its figures.
+  assert earlier["folder"] == "rl_cpu_lr2e-06_4_steps" and earlier["held_out"]["after"] == 0.5
   assert out["stage_minutes"]["recursive"]["reading_hard_after"] == 2.0
   assert out["minutes"] == pytest.approx(2.0 * 5)
   # The written result: the JSON (earlier attempts carried from the file it replaces), the
@@ -196,6 +200,11 @@ def test_train_trees_by_number_of_targets(tmp_path):
   R.save_trees_jsonl(str(d / "step_000000.jsonl"),
                      [tree(0, 1, 1), tree(1, 2, 0), tree(2, 2, 1), tree(3, 2, 0)])
   (step,) = rep.train_by_num_targets(str(tmp_path / "rl"))
+  # A stopped and resumed RL stage: its minutes are its steps' recorded times.
+  (tmp_path / "rl" / "metrics.jsonl").write_text(
+      '{"step": 1, "train/time/step_s": 600.0, "train/time/warmup_s": 60.0}\n'
+      '{"step": 2, "train/time/step_s": 540.0}\n')
+  assert rep.rl_minutes(str(tmp_path / "rl")) == pytest.approx(20.0)
   assert step == {"1": {"trees": 1, "success": 1.0}, "2": {"trees": 3, "success": 1 / 3}}
 
 
