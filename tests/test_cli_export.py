@@ -34,14 +34,20 @@ STEP = 3
 LORA = {"rank": 4, "alpha": 12.0, "targets": "q,v,o,up,down", "dropout": 0.0}
 
 
-def _make_run(root, base_folder, lora):
+def _make_run(root, base_folder, lora, init_from=None):
   """A run directory holding config.json and a checkpoint of step STEP; returns (workdir, the
-  policy's model as the learner held it)."""
+  policy's model as the learner held it). With `init_from` (a full run) the run adapts that
+  run's weights, as `ckpt.init_from` makes it."""
   workdir = os.path.join(root, "run")
   os.makedirs(workdir)
   with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump({"model": {"name": base_folder, "dtype": "float32", "lora": lora}}, f)
-  model = load_model(base_folder, dtype="float32")
+    json.dump({"model": {"name": base_folder, "dtype": "float32", "lora": lora},
+               **({"ckpt": {"init_from": init_from}} if init_from else {})}, f)
+  if init_from:
+    from rao_jax.rollout.serve import loading  # pylint: disable=g-import-not-at-top
+    model = loading.load_run_checkpoint(init_from)[0]
+  else:
+    model = load_model(base_folder, dtype="float32")
   rng = np.random.default_rng(0)
   if lora:
     lora_lib.add_adapters(model, lora)
@@ -154,6 +160,20 @@ def test_adapter_export_with_base_out_names_the_written_base(lora_run, prompts, 
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(base))
   policy = peft.PeftModel.from_pretrained(_hf(base), out)
   np.testing.assert_allclose(_torch_logits(policy, prompts), lora_logits, **TOL)
+
+
+def test_adapter_of_a_run_started_from_another_run_names_and_writes_that_base(
+    base_dir, prompts, tmp_path):
+  """A LoRA run with ckpt.init_from adapted that run's weights: the export names it as the
+  base, and --base_out writes its weights (not model.name's)."""
+  full, _ = _make_run(str(tmp_path / "full"), base_dir, None)
+  workdir, model = _make_run(str(tmp_path / "lora"), base_dir, LORA, init_from=full)
+  summary = export_cli.export_run(workdir, str(tmp_path / "a1"))
+  assert summary["base_model"] == os.path.abspath(full)
+  out, base = str(tmp_path / "a2"), str(tmp_path / "base")
+  export_cli.export_run(workdir, out, base_out=base)
+  policy = peft.PeftModel.from_pretrained(_hf(base), out)
+  np.testing.assert_allclose(_torch_logits(policy, prompts), _our_logits(model, prompts), **TOL)
 
 
 @pytest.mark.slow

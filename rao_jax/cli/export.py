@@ -7,13 +7,14 @@ r"""Export a training run's policy for other tools: a PEFT LoRA adapter or a Hug
 
 A LoRA run's checkpoint holds only the adapter; by default DIR becomes a PEFT adapter folder
 (adapter_config.json + adapter_model.safetensors, base_model_name_or_path = the run's
-model.name) that `peft.PeftModel.from_pretrained(base, DIR)` loads (PEFT's format, the one
-vLLM's and SGLang's LoRA loaders read too) and `rao_jax.model.peft.load_adapter` reads back.
+model.name, or the run its ckpt.init_from names: the weights it adapted) that
+`peft.PeftModel.from_pretrained(base, DIR)` loads (PEFT's format, the one vLLM's and SGLang's
+LoRA loaders read too) and `rao_jax.model.peft.load_adapter` reads back.
 PEFT needs the base as an HF folder with the very weights the run trained on: when model.name
-is a registry name or a GGUF file (dequantized weights, not the hub's), --base_out=BASE writes
-that base as an HF folder and the adapter names it. --merge writes one HF folder (config,
-safetensors, tokenizer) with W + (alpha / r) A B in place of each adapted weight: any
-transformers or SGLang user loads it as a plain model. A full fine-tuning run always exports
+is a registry name or a GGUF file (dequantized weights, not the hub's), or another run
+(ckpt.init_from), --base_out=BASE writes that base as an HF folder and the adapter names it.
+--merge writes one HF folder (config, safetensors, tokenizer) with W + (alpha / r) A B in place
+of each adapted weight: any transformers or SGLang user loads it as a plain model. A full fine-tuning run always exports
 an HF folder; --merge is accepted there and changes nothing (the weights are the whole model
 already).
 
@@ -89,17 +90,25 @@ def export_run(workdir: str, out: str, step: int | None = None, merge: bool = Fa
     logging.info("--merge: %s is a full fine-tuning run; its HF folder is the whole model "
                  "already", workdir)
   _check_out(out, kind)
-  base = name
+  # A LoRA run started from another run's checkpoint (ckpt.init_from) adapted THAT run's
+  # weights: they are its base, not model.name's.
+  init_from = loading.run_init_from(workdir) if is_lora else ""
+  base = os.path.abspath(init_from) if init_from else name
   if base_out:
     # The base first and dropped before the run's model loads: one model in memory at a time.
-    base_model, base_tok = load_pretrained(name, dtype=None if run_dtype == "auto" else run_dtype)
+    if init_from:
+      base_model, base_tok, _ = loading.load_run_checkpoint(init_from)
+    else:
+      base_model, base_tok = load_pretrained(
+          name, dtype=None if run_dtype == "auto" else run_dtype)
     export_hf(base_model, None, base_tok, base_out, dtype)
     del base_model
     base = os.path.abspath(base_out)
-  elif kind == "adapter" and not _is_hf_folder(name):
+  elif kind == "adapter" and not _is_hf_folder(base):
     logging.warning("the run's base %r is not an HF folder; PEFT needs one with the same "
                     "weights: rerun with --base_out=DIR to write it, or --merge for a whole "
-                    "model", name)
+                    "model%s", base, " (rao-evaluate --workdir=<that run> --adapter=<this "
+                    "folder> evaluates it as it is)" if init_from else "")
   model, tokenizer, step = loading.load_run_checkpoint(workdir, step)
   os.makedirs(out, exist_ok=True)
   if kind == "adapter":
