@@ -207,7 +207,8 @@ def report_from_disk(s: dict, root: str, modes, previous: dict | None = None) ->
       if name not in {a.get("folder") for a in attempts}:
         attempts.append({
             "folder": name, "folder_kept": False,
-            "why": "the earlier run's RL, replaced by this one (its settings below)",
+            "why": (f"earlier run: {'LoRA' if p.get('lora_rank') else 'full'} lr {p.get('lr')}, "
+                    f"{p.get('tasks_per_step', 0) * p.get('group', 0)} trees a step"),
             "temperature": p.get("rl_temperature"), "settings": p,
             "held_out": {k: prev_rec.get(k) for k in ("before", "after", "paired")},
             "steps": (previous.get("training") or {}).get("recursive", {})})
@@ -224,12 +225,16 @@ def report_plot(result: dict, root: str, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(14, 6.2),
                                  gridspec_kw={"width_ratios": [1, 1.6]})
-  runs = [(f"recursive, {a['why']} (set aside)", a["steps"])
+  runs = [(f"{a['why']} (set aside)", a["steps"])
           for a in result["modes"].get("recursive", {}).get("rl_attempts", [])]
   for mode in result["modes"]:
     rl = os.path.join(root, mode, "rl")
     if os.path.exists(os.path.join(rl, "metrics.jsonl")):
-      runs.append((f"{mode} RL", le.training_summary(rl)))
+      st = result.get("settings") or {}
+      how = (f" ({'LoRA' if st.get('lora_rank') else 'full'} lr {st.get('lr')}, "
+             f"{st.get('tasks_per_step', 0) * st.get('group', 0)} trees a step)"
+             if mode == "recursive" and st else "")
+      runs.append((f"{mode} RL{how}", le.training_summary(rl)))
   for label, tr in runs:
     ys = [y for y in tr.get("success", []) if y is not None]
     line, = ax0.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{label}: success")
@@ -265,8 +270,8 @@ def report_plot(result: dict, root: str, path: str) -> None:
     ax1.text(i, y + 0.03, f"{y:.2f}", ha="center")
   ax1.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
   n = next(iter(result["modes"].values()))["n"]
-  ax1.set_ylabel(f"held-out success (SmolLM2: {n} medium tasks unless named, greedy, 95% CI;"
-                 f"\ngrey: scripted policies, {caps.get('tasks', '?')} tasks)")
+  ax1.set_ylabel(f"held-out greedy success, 95% CI\n({n} medium tasks unless named; grey: "
+                 f"scripted, {caps.get('tasks', '?')} tasks)", fontsize=9)
   ax1.set_ylim(0, 1.05)
   fig.suptitle("TextCraft-Synth medium, 8 crafts per agent: SmolLM2-135M, recursive vs single")
   fig.tight_layout(rect=(0, 0.2, 1, 1))
