@@ -39,6 +39,9 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   # The RL run with a rank-8 adapter, 16 trees a step and a task mix weighted to two-target
   # tasks, from the same warm start (`cpu_lora` at _SCALES says why each setting):
   python -m experiments.recursion_evidence --scale=cpu_lora --workdir=runs/recursion
+  # Measured on the idle 2-core AMD EPYC: RL steps 11-18 min (16 trees: rollouts 6-9 min,
+  # learner 4-9), held-out evaluations 16-19 min (64 medium trees), 8-9 (32 trees of the other
+  # world), ~16 (8 hard trees); with the warm start reused, ~2.5 hours in all.
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
   # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
