@@ -87,6 +87,21 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, num_tasks: int | 
                                samples, task_files, overrides, adapter))
 
 
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+  """["KEY=VALUE", ...] -> {KEY: VALUE}: a VALUE that parses as JSON is that value, else the
+  text itself (rao-evaluate's --set)."""
+  out = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"{item!r}: use KEY=VALUE, e.g. agent.max_depth=8.")
+    try:
+      out[key] = json.loads(raw)
+    except json.JSONDecodeError:
+      out[key] = raw   # a bare string
+  return out
+
+
 def apply_overrides(config, overrides: dict[str, Any] | None) -> None:
   """Sets dotted keys of `config` in place; an unknown key is an error naming it."""
   for key, value in (overrides or {}).items():

@@ -59,16 +59,11 @@ _ADAPTER = flags.DEFINE_string(
 
 
 def _overrides(items) -> dict:
-  out = {}
-  for item in items:
-    key, sep, raw = item.partition("=")
-    if not sep or not key:
-      raise app.UsageError(f"--set={item!r}: use KEY=VALUE, e.g. --set=agent.max_depth=8.")
-    try:
-      out[key] = json.loads(raw)
-    except json.JSONDecodeError:
-      out[key] = raw   # a bare string
-  return out
+  from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
+  try:
+    return evaluation.parse_overrides(items)
+  except ValueError as e:
+    raise app.UsageError(f"--set: {e}") from e
 
 
 def main(argv):
