@@ -14,9 +14,9 @@ PEFT needs the base as an HF folder with the very weights the run trained on: wh
 is a registry name or a GGUF file (dequantized weights, not the hub's), or another run
 (ckpt.init_from), --base_out=BASE writes that base as an HF folder and the adapter names it.
 --merge writes one HF folder (config, safetensors, tokenizer) with W + (alpha / r) A B in place
-of each adapted weight: any transformers or SGLang user loads it as a plain model. A full fine-tuning run always exports
-an HF folder; --merge is accepted there and changes nothing (the weights are the whole model
-already).
+of each adapted weight: any transformers or SGLang user loads it as a plain model. A full
+fine-tuning run always exports an HF folder; --merge is accepted there and changes nothing (the
+weights are the whole model already).
 
 --dtype sets the stored tensors' dtype (default: the run's parameter dtype). Files are written
 atomically one by one; DIR may exist, but not with an export of the other kind in it. Prints a

@@ -113,8 +113,10 @@ class Scheduler:
       self.state = self.state.replace(cache=self._resize[new](self.state.cache))
       self.stats["cache_grow" if new > old else "cache_shrink"] += 1
       # The old cache is free once the resize ran: give its pages back (host_memory says why).
-      jax.block_until_ready(self.state.cache)
-      host_memory.release_free_memory()
+      # Only where freed memory is kept (CPU): elsewhere this would be a needless device sync.
+      if host_memory.in_effect():
+        jax.block_until_ready(self.state.cache)
+        host_memory.release_free_memory()
 
   def _prefill_step(self) -> None:
     c = self.config
