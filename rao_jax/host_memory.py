@@ -14,7 +14,13 @@ by another (one more 0.6M-fault step, and the heap holds two blocks from then on
 the step above, 8 back-to-back steps: 3 such steps and 9.4 GB resident; with 0.3 s of host work
 between steps (rollouts, in training): none, 4.3 GB.
 
-The cost: the process keeps its peak heap for its lifetime (a training process does anyway).
+The cost: the process keeps its peak heap for its lifetime (a training process does anyway),
+and blocks of a few sizes that come and go fragment it: the rollout engine's KV caches (0.75,
+1.5 and 3 GB for 32 SmolLM2 slots at 512, 1,024 and 2,048 tokens) left an evaluation process
+at 19 GB after warming up every resize, against ~3 GB with glibc's defaults. So a process that
+only generates (evaluation, serving) leaves malloc alone (``load_policy(keep_freed_memory=
+False)``). Trimming the heap after a resize (``malloc_trim``) is not used instead: with it, the
+test suite's process twice died in XLA's executable serialization just after the trims.
 It pays only where XLA:CPU computes: on a GPU or TPU host the step's temporaries live on the
 device, and a host that keeps every freed block would only hold more memory. So nothing happens
 at import (``import rao_jax`` leaves the process as it was); an entry point calls
@@ -103,26 +109,7 @@ def keep_freed_memory() -> bool:
   ok = (mallopt(_M_ARENA_MAX, 1) == 1 and mallopt(_M_TRIM_THRESHOLD, -1) == 1   # -1: never trim
         and mallopt(_M_MMAP_MAX, 0) == 1)
   _state["applied"] = bool(ok)
-  _state["libc"] = libc
   return _state["applied"]
-
-
-def release_free_memory() -> bool:
-  """Hands the free pages inside malloc's heap back to the OS (``malloc_trim``); True when it ran.
-
-  With freed memory kept, blocks of different sizes fragment the heap: the rollout engine's KV
-  cache has one size per cache-length bucket (0.75, 1.5 and 3 GB for 32 SmolLM2 slots at 512,
-  1,024 and 2,048 tokens), and each resize frees one size and allocates another, which the
-  freed hole cannot hold. Warming up every resize took an evaluation process from 2.2 to
-  19.3 GB resident, and hard trees then grew it past a 24 GB machine. Trimming after a
-  resize keeps the heap's layout (the next step reuses it, faulting its pages in once) and
-  returns the holes: 6.5 GB after the same warm-up. A no-op where ``keep_freed_memory`` is not
-  in effect (glibc's own defaults return large blocks by themselves).
-  """
-  if not _state["applied"]:
-    return False
-  _state["libc"].malloc_trim(0)
-  return True
 
 
 def in_effect() -> bool:

@@ -17,7 +17,6 @@ from typing import Callable
 import jax
 import numpy as np
 
-from rao_jax import host_memory
 from rao_jax.rollout.base import FinishReason
 from rao_jax.rollout.engine import programs as P
 from rao_jax.rollout.engine.cache_policy import CacheLenPolicy
@@ -112,11 +111,6 @@ class Scheduler:
     if new is not None:
       self.state = self.state.replace(cache=self._resize[new](self.state.cache))
       self.stats["cache_grow" if new > old else "cache_shrink"] += 1
-      # The old cache is free once the resize ran: give its pages back (host_memory says why).
-      # Only where freed memory is kept (CPU): elsewhere this would be a needless device sync.
-      if host_memory.in_effect():
-        jax.block_until_ready(self.state.cache)
-        host_memory.release_free_memory()
 
   def _prefill_step(self) -> None:
     c = self.config
@@ -175,7 +169,14 @@ class Scheduler:
                                               arrays, penalties)
     self.state = self.state.replace(cache=cache)
     toks_RxN, logps_RxN = np.asarray(toks_RxN), np.asarray(logps_RxN)
+    # Tallied before any request finishes: a caller woken by its result reads them complete.
     self.stats["decode_calls"] += 1
+    self.stats["decode_tokens"] += len(decoding) * c.decode_steps
+    # Occupancy: rows computed against requests that needed them; the per-count tallies let
+    # a benchmark price each call at the rate of a batch of its active requests.
+    self.stats["decode_rows"] += R
+    self.stats["decode_active"] += len(decoding)
+    self.stats[f"decode_calls_active_{len(decoding)}"] += 1
     now = time.monotonic()
     for s in decoding:
       r = s.req
@@ -184,12 +185,6 @@ class Scheduler:
         if self.accept(r, int(toks_RxN[s.index, n]), float(logps_RxN[s.index, n])):
           break
       s.last_used = now
-    self.stats["decode_tokens"] += len(decoding) * c.decode_steps
-    # Occupancy: rows computed against requests that needed them; the per-count tallies let
-    # a benchmark price each call at the rate of a batch of its active requests.
-    self.stats["decode_rows"] += R
-    self.stats["decode_active"] += len(decoding)
-    self.stats[f"decode_calls_active_{len(decoding)}"] += 1
     self.stats["decode_s"] += time.perf_counter() - t0
 
   def accept(self, r: Req, token: int, logp: float) -> bool:
@@ -235,13 +230,11 @@ class Scheduler:
         if S2 != S:
           jax.block_until_ready(
               self._resize[S2](self._init_cache(batch_size=c.num_slots, max_len=S)))
-          host_memory.release_free_memory()
       if c.share_prefix_min:
         cache = self._copy_row(cache, np.int32(0), np.int32(0))
       cache = self._swap_rows(cache, np.int32(0), np.int32(0))
       jax.block_until_ready(cache)
       del cache
-      host_memory.release_free_memory()
 
 
 __all__ = ["Scheduler"]
