@@ -274,8 +274,7 @@ def load_checkpoint(workdir: str, step: int | None = None):
   from rao_jax.learner.checkpoint import restore_params  # pylint: disable=g-import-not-at-top
   workdir = os.path.abspath(workdir)
   config = X.load_config(workdir)
-  # Evaluation and serving only generate: glibc's own malloc returns their KV caches on resize.
-  model, tokenizer = X.load_policy(config, keep_freed_memory=False)
+  model, tokenizer = X.load_policy(config)
   from rao_jax.model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   # With LoRA the checkpoint holds the adapter; the base comes from config.model.name.
   params, step = restore_params(X.learner_config(config, workdir).ckpt_dir,

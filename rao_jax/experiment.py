@@ -234,24 +234,17 @@ def warm_engine(config, engine) -> float:
   return s
 
 
-def load_policy(config, keep_freed_memory: bool = True):
+def load_policy(config):
   """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder).
 
   Mixed precision: the weights load in float32 (the learner's master weights; it keeps AdamW's
   moments in float32 too) and the model computes in `config.model.dtype` ("auto": bfloat16 on
   GPU/TPU). The rollout engine takes its own copies in the compute dtype.
-
-  keep_freed_memory: set malloc to keep freed blocks (``host_memory.keep_freed_memory``), which
-  pays where a learner step's large temporaries recur. A process that only generates
-  (evaluation, serving) passes False: its large blocks are KV caches of a few sizes, which a
-  heap that keeps them fragments (19 GB resident after an evaluation's warm-up of SmolLM2's
-  cache resizes, against ~3 GB with glibc's defaults, which unmap them on free).
   """
   from rao_jax import host_memory  # pylint: disable=g-import-not-at-top
   # The first call that starts JAX's backends in every entry point: malloc is set before it,
   # and only where the CPU computes (see rao_jax/host_memory.py).
-  if keep_freed_memory:
-    host_memory.keep_freed_memory()
+  host_memory.keep_freed_memory()
   use_compile_cache(config)
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
   from rao_jax.model import lora as lora_lib  # pylint: disable=g-import-not-at-top

@@ -79,14 +79,6 @@ def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):
   assert os.path.exists(os.path.join(ev["out_dir"], "trees.html"))
   with pytest.raises(ValueError, match="available steps"):
     evaluation.evaluate_checkpoint(wd, step=99, num_tasks=1)
-  # A process that loads a checkpoint to generate leaves glibc's malloc as it was (kept
-  # freed memory fragments under its KV-cache resizes: test_host_memory).
-  probe = ("from rao_jax import evaluation, host_memory; import sys; "
-           "evaluation.load_checkpoint(sys.argv[1]); print(host_memory.in_effect())")
-  out = subprocess.run([sys.executable, "-c", probe, wd], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu",
-                                                    "RAO_JAX_SYSTEM_MALLOC": "0"})
-  assert out.returncode == 0 and out.stdout.split()[-1] == "False", out.stderr[-2000:]
 
 
 def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_hf_dir, tmp_path):

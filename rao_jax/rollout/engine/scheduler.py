@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from rao_jax import host_memory
 from rao_jax.rollout.base import FinishReason
 from rao_jax.rollout.engine import programs as P
 from rao_jax.rollout.engine.cache_policy import CacheLenPolicy
@@ -111,6 +112,11 @@ class Scheduler:
     if new is not None:
       self.state = self.state.replace(cache=self._resize[new](self.state.cache))
       self.stats["cache_grow" if new > old else "cache_shrink"] += 1
+      # The old cache is free once the resize ran: give its pages back (host_memory says why).
+      # Only where freed memory is kept (CPU): elsewhere this would be a needless device sync.
+      if host_memory.in_effect():
+        jax.block_until_ready(self.state.cache)
+        host_memory.release_free_memory()
 
   def _prefill_step(self) -> None:
     c = self.config
@@ -230,11 +236,13 @@ class Scheduler:
         if S2 != S:
           jax.block_until_ready(
               self._resize[S2](self._init_cache(batch_size=c.num_slots, max_len=S)))
+          host_memory.release_free_memory()
       if c.share_prefix_min:
         cache = self._copy_row(cache, np.int32(0), np.int32(0))
       cache = self._swap_rows(cache, np.int32(0), np.int32(0))
       jax.block_until_ready(cache)
       del cache
+      host_memory.release_free_memory()
 
 
 __all__ = ["Scheduler"]
