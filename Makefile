@@ -22,7 +22,7 @@ sysdeps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap g++; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap g++; fi; }
 
-# The whole suite, long Trainer runs included (what CI runs; ~21 min on an idle 2-core machine).
+# The whole suite, long Trainer runs included (what CI runs; 21-25 min on an idle 2-core machine).
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=15
 
