@@ -1,5 +1,7 @@
 """Test-wide setup. Runs before any test module imports JAX."""
+import gc
 import os
+import sys
 
 # Eight fake CPU devices so sharding tests can build a (data, fsdp, tensor) mesh; must be set
 # before JAX initialises its backend. Unsharded code still runs on device 0 only.
@@ -36,9 +38,7 @@ def _release_compiled_programs():
   trainer tests; the persistent compilation cache above brings programs back quickly.
   """
   yield
-  import sys  # noqa: PLC0415
-  if "jax" in sys.modules:
-    import gc  # noqa: PLC0415
+  if "jax" in sys.modules:   # JAX is never imported here: a test module that needs it does
     sys.modules["jax"].clear_caches()
     gc.collect()
 

@@ -85,6 +85,30 @@ def test_decode_rows_follow_active_requests_and_sessions_survive(model):
     assert r.token_ids == reference_greedy(model, h, 4)
 
 
+def test_decode_tallies_are_complete_when_a_token_is_handed_out(model):
+  """The engine counts a decode call before it hands that call's tokens to their requests, so
+  whoever a token (or a finished result) wakes reads tallies that include the call. The
+  k-th decoded token's hook sees k calls, rows and tokens (the first token comes from the prefill)."""
+  p = prompts(1, [9], seed=3)[0]
+  seen = []
+
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    try:
+      def hook(out, logps):
+        st = eng.stats
+        seen.append((len(out), st["decode_calls"], st["decode_rows"], st["decode_tokens"]))
+        return False
+      await eng.generate(GenerateRequest(p, greedy(5)), on_token=hook)
+      return eng.stats["decode_calls"]
+    finally:
+      await eng.close()
+
+  calls = asyncio.run(go())
+  # One request decodes one row a call: calls, rows and tokens counted alike.
+  assert seen == [(n, n - 1, n - 1, n - 1) for n in range(1, 6)] and calls == 4, (seen, calls)
+
+
 def test_stop_strings_end_at_the_completing_token(model):
   p = prompts(1, [11], seed=7)[0]
   tok = TagTokenizer()
