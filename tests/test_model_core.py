@@ -99,8 +99,10 @@ def test_llama3_rope_scaling_matches_reference_values():
   assert np.all(inv[mid] <= base[mid]) and np.all(inv[mid] >= base[mid] / 8)
 
 
-@pytest.mark.parametrize("variant", ["llama", "all"])
-def test_cached_decode_equals_full_forward(variant):
+@pytest.mark.parametrize("variant,extra_rows", [("llama", 0), ("all", 0), ("llama", 2)])
+def test_cached_decode_equals_full_forward(variant, extra_rows):
+  """extra_rows > 0: the B rows are the first B of a larger cache (the engine decoding its
+  first R slots), which attention reads in place."""
   model = _model(variant)
   B, T, S = 3, 12, 20
   tokens = _tokens(B, T)
@@ -109,7 +111,7 @@ def test_cached_decode_equals_full_forward(variant):
   fwd = nnx.jit(lambda m, t, p, c, w: m.forward_cached(t, p, c, w), donate_argnums=3)
   # Rows are at different lengths: prefill row b with P_b tokens (padded to 7), then decode.
   P = np.array([7, 4, 5])
-  cache = model.init_cache(B, S)
+  cache = jax.tree.map(lambda x: x.at[B:].set(7.0), model.init_cache(B + extra_rows, S))
   pre_tok = jnp.where(jnp.arange(7)[None] < P[:, None], tokens[:, :7], 0)
   h, cache = fwd(model, pre_tok, pos[:, :7], cache, jnp.zeros(B, jnp.int32))
   for b in range(B):
@@ -125,6 +127,25 @@ def test_cached_decode_equals_full_forward(variant):
     w = w + 1
   for b in range(B):
     np.testing.assert_allclose(jnp.stack(got[b][:T]), full[b], atol=1e-4, rtol=0)
+  for leaf in jax.tree.leaves(cache):              # rows past B: untouched
+    np.testing.assert_array_equal(leaf[B:], 7.0)
+
+
+def test_cpu_decode_reads_its_cache_rows_in_place():
+  """Decoding the first B rows of an N-row cache: the compiled CPU program never holds those B
+  rows' keys or values as an array of their own (XLA:CPU copied a slice [:B] of every layer's
+  cache before its products; a decode of 16 of 32 rows cost what 32 rows cost)."""
+  model = _model("llama")
+  B, N, S = 2, 8, 64
+  cfg = model.cfg
+  fns, params = model.inference_fns(), model.inference_params()
+  cache = model.init_cache(N, S)
+  args = (params, jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), cache,
+          jnp.zeros(B, jnp.int32))
+  hlo = jax.jit(fns, donate_argnums=3).lower(*args).compile().as_text()
+  K, h = cfg.n_kv_heads, cfg.head_dim
+  for shape in (f"[{B},{K},{h},{S}]", f"[{B},{K},{S},{h}]"):
+    assert f"f32{shape}" not in hlo, f"the decode program copies cache rows {shape}"
 
 
 def test_cached_forward_into_scattered_rows():

@@ -23,7 +23,8 @@ call (``matmul.dense`` does the same for the MKL product):
   * anything else, and shapes a kernel does not take (T not a multiple of its block): XLA's
     blocked attention.
 
-``cached_attention`` (prefill and decode against the KV cache) stays XLA's on every platform:
+``cached_attention`` (prefill and decode against the KV cache) stays XLA's on every platform
+(``cache_rows_attention`` picks the cache rows it reads: in place on CPU, taken elsewhere):
 a decode step's scores are [B, H, S] (a few MB), reading the cache once is the whole cost, and
 the cache layout [B, K, h, S] / [B, K, S, h] is the one XLA reads without transposes; prefill
 chunks are at most ``EngineConfig`` prefill chunk x S. Neither meets the T x T training case.
@@ -78,6 +79,37 @@ def cached_attention(q_BxTxHxh, k_BxKxhxS, v_BxKxSxh, visible_BxTxS, dtype):
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jax.lax.dot_general(probs, v_BxKxSxh, (((3,), (2,)), batch))         # [B, K, Tg, h]
   return out.reshape(B, K, T, g, h).transpose(0, 2, 1, 3, 4).reshape(B, T, H, h)
+
+
+def cache_rows_attention(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, visible_BxTxS, dtype, rows_B=None):
+  """``cached_attention`` of B query rows over rows ``rows_B`` (default: the first B) of a
+  cache holding N >= B rows, without copying those rows out of the cache on CPU.
+
+  XLA:CPU copies a sliced or gathered operand out before a product: decoding 16 of a 32-slot
+  SmolLM2 cache at length 2,048 copied 16 x 3 MB a layer, and the call cost what 32 rows cost
+  (benchmarks/bench_decode_rows.py). On CPU the rows are attended one at a time (``lax.map``),
+  each reading its cache row in place; the whole cache in order (rows_B None, B == N) is one
+  batched product, faster than the loop. Elsewhere the rows are taken and attended as one batch
+  (a copy at device bandwidth, against a loop of small kernels).
+  """
+  B, N = q_BxTxHxh.shape[0], k_NxKxhxS.shape[0]
+  if rows_B is None and B == N:
+    return cached_attention(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, visible_BxTxS, dtype)
+  rows_B = jnp.arange(B, dtype=jnp.int32) if rows_B is None else jnp.asarray(rows_B, jnp.int32)
+
+  def batched(q, k, v, vis, rows):
+    return cached_attention(q, jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0), vis, dtype)
+
+  def per_row(q, k, v, vis, rows):
+    def one(args):
+      q_TxHxh, vis_TxS, r = args
+      k_1xKxhxS = jax.lax.dynamic_index_in_dim(k, r, 0, keepdims=True)
+      v_1xKxSxh = jax.lax.dynamic_index_in_dim(v, r, 0, keepdims=True)
+      return cached_attention(q_TxHxh[None], k_1xKxhxS, v_1xKxSxh, vis_TxS[None], dtype)[0]
+    return jax.lax.map(one, (q, vis, rows))
+
+  return jax.lax.platform_dependent(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, visible_BxTxS, rows_B,
+                                    cpu=per_row, default=batched)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(4, 5))

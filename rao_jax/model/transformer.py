@@ -448,10 +448,10 @@ class CachedForward:
     caller keeps w_b + T <= S); tokens past a row's real length are padding whose K/V land
     beyond the row's length, are overwritten by the next write and never read.
 
-    rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way: no
-    gather). Given rows_B (the engine's prefill of scattered slots), only the new keys and
-    values are scattered into the full cache and each layer gathers its B rows to attend;
-    repeated rows must carry identical inputs. Jittable with the cache donated, so the writes
+    rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way). Given
+    rows_B (the engine's prefill of scattered slots), only the new keys and values are
+    scattered into the full cache; repeated rows must carry identical inputs. Attention reads
+    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU). Jittable with the cache donated, so the writes
     happen in place; S is a static shape.
 
     Returns:
@@ -475,13 +475,9 @@ class CachedForward:
       # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
       ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
       vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
-      if gather:
-        kc, vc = jnp.take(ks[i], rows_B, axis=0), jnp.take(vs[i], rows_B, axis=0)
-      elif ks[i].shape[0] == B:
-        kc, vc = ks[i], vs[i]
-      else:
-        kc, vc = ks[i][:B], vs[i][:B]
-      x = _post_attention(cfg, p, x, _attention(q, kc, vc, visible_BxTxS, dt))
+      attn = attention.cache_rows_attention(q, ks[i], vs[i], visible_BxTxS, dt,
+                                            rows_B if gather else None)
+      x = _post_attention(cfg, p, x, attn)
     return rms_norm(x, params["final_norm"], cfg.rms_eps), {"k": ks, "v": vs}
 
   def logits(self, params, hidden_BxTxD):
