@@ -11,7 +11,8 @@ each row in place on CPU. Both programs are compiled side by side in this proces
 "sliced" one traces the former attention, defined here) and timed in alternating rounds, on
 SmolLM2-135M float32, row lengths spread over [S/4, S), one decode step a call, the engine's
 own ``programs.decode``. Progress goes to stderr; the last stdout line is one JSON object with
-the medians over rounds (ms a call) and sliced / in_place per (cache length, rows).
+the medians over rounds (ms a call), sliced / in_place per (cache length, rows), and each
+program's temporary buffers (XLA's memory analysis: the copied rows live there).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_peak  # noqa: E402  (this folder's: names the CPU)
 
 SLOTS = 32
-ROWS = (4, 8, 16, 32)
+ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def say(*a):
@@ -74,7 +75,7 @@ def main():
   model = load_model("smollm2-135m", dtype="float32")
   params, fns = model.inference_params(), model.inference_fns()
   variants = ("in_place", "sliced")
-  times = {}
+  times, temp_mb = {}, {}
   for S in (int(s) for s in args.cache_lens.split(",")):
     state = {"cache": model.init_cache(batch_size=SLOTS, max_len=S)}
     progs = {}
@@ -95,6 +96,11 @@ def main():
           jax.block_until_ready(toks)
           say(f"compiled {name} rows {R} cache {S}: {time.perf_counter() - t0:.1f} s")
           progs[name, R] = (fn, batch, arrays)
+          # XLA's temporary buffers for the call: the copied rows live here.
+          mem = fn.lower(fns, 1, params, state["cache"], batch, arrays).compile(
+              ).memory_analysis()
+          temp_mb.setdefault(f"cache{S}", {}).setdefault(name, {})[R] = round(
+              mem.temp_size_in_bytes / 1e6, 1)
     for rnd in range(args.rounds):
       for R in ROWS:
         for name in (variants if rnd % 2 == 0 else variants[::-1]):
@@ -111,7 +117,8 @@ def main():
     del state
   result = {"benchmark": "decode_rows_smollm2_135m_f32", "cpu": bench_peak.cpu_model(),
             "cores": os.cpu_count(), "slots": SLOTS, "rounds": args.rounds,
-            "row_lengths": "spread evenly over [S/4, S)", "ms": {}, "sliced_over_in_place": {}}
+            "row_lengths": "spread evenly over [S/4, S)", "ms": {}, "sliced_over_in_place": {},
+            "temp_mb": temp_mb}
   for (S, R, name), v in sorted(times.items()):
     result["ms"].setdefault(f"cache{S}", {}).setdefault(name, {})[R] = round(
         statistics.median(v), 1)
