@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct on real weights: parity with transformers, tokenizer, greedy decoding.
+"""SmolLM2-135M-Instruct on real weights: parity with transformers, tokenizer, greedy decoding,
+and a LoRA adapter exported to PEFT.
 
 The GGUF file is loaded once for the module (dequantizing it takes seconds).
 """
@@ -13,6 +14,8 @@ import pytest
 from flax import nnx
 
 from rao_jax.model import ModelConfig, load_pretrained, resolve_model_path, weights
+from rao_jax.model import lora as lora_lib
+from rao_jax.model import peft as peft_lib
 from rao_jax.testing import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.slow
@@ -138,3 +141,36 @@ def test_greedy_decoding_says_paris(smollm):
   model, tok = smollm
   reply = generate(model, tok, "What is the capital of France?", max_new_tokens=24)
   assert "Paris" in reply, reply
+
+
+def test_our_adapter_on_smollm2_gives_peft_our_logits(smollm, tmp_path):
+  """A rank-8 adapter (alpha 16, every target, nonzero B) on the real weights, saved in PEFT's
+  format and loaded by peft's PeftModel onto transformers' SmolLM2: its logits on prompts the
+  adapter never saw equal ours. The adapter moves the logits ~100x the tolerance, so a wrong
+  scale or a transposed factor fails (k/v, gate/up and down are not square)."""
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  from transformers import AutoModelForCausalLM
+  model, tok = smollm
+  base = weights.export_hf(model, model.cfg, tok, str(tmp_path / "base"))
+  adapted, _ = load_pretrained(base, dtype="float32")
+  lora_lib.add_adapters(adapted, {"rank": 8, "alpha": 16.0, "targets": lora_lib.TARGETS})
+  rng = np.random.default_rng(3)
+  for name, var in vars(adapted.lora).items():
+    if name.endswith("_b"):
+      var[...] = jnp.asarray(rng.normal(0, 0.02, var.shape), jnp.float32)
+  out = peft_lib.save_adapter(adapted, str(tmp_path / "adapter"), base_model=base)
+  prompts = [tok.apply_chat_template([{"role": "user", "content": text}],
+                                     add_generation_prompt=True)
+             for text in ("Craft 2 oak planks, then a stick.", "What is 17 times 3?")]
+  with torch.no_grad():
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    plain = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    policy = peft.PeftModel.from_pretrained(hf, out).eval()
+    theirs = [policy(torch.tensor([p])).logits[0].numpy() for p in prompts]
+  for p, ref, before in zip(prompts, theirs, plain):
+    T = len(p)
+    ours = np.asarray(adapted.logits(adapted(jnp.asarray([p]), jnp.arange(T)[None],
+                                             jnp.ones((1, T), jnp.int32))))[0]
+    assert np.abs(ref - before).max() > 0.1, "the adapter barely changes the logits"
+    assert np.abs(ours - ref).max() <= 1e-3, np.abs(ours - ref).max()
