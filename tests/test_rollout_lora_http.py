@@ -133,6 +133,10 @@ def test_update_adapter_matches_the_embedded_engine_and_refuses_what_is_not_serv
     assert status == 200 and t3["meta_info"]["cached_tokens"] == 0, t3
     assert t3["output_ids"] == (await local.generate(GenerateRequest(turn3, _greedy(6)))
                                 ).token_ids
+    # Under the same adapter the session's KV is kept again.
+    turn4 = turn3 + t3["output_ids"] + [34]
+    status, t4 = _gen(url, turn4, lora_path="rao-v1", session_params={"id": "s"})
+    assert status == 200 and t4["meta_info"]["cached_tokens"] > 0, t4
 
     # What the server does not serve: a clear 400 naming the active adapter.
     status, out = _gen(url, PROMPTS[0], lora_path="nope")
@@ -162,6 +166,12 @@ def test_update_adapter_matches_the_embedded_engine_and_refuses_what_is_not_serv
                         ).json()["lora"]
     assert info["loaded_adapters"] == {"rao-v2": os.path.join(str(roots), "v000002")}
     await local.update_adapter(second, 2)
+    # KV kept under one adapter is not reused under the next.
+    turn5 = turn4 + t4["output_ids"] + [35]
+    status, t5 = _gen(url, turn5, lora_path="rao-v2", session_params={"id": "s"})
+    assert status == 200 and t5["meta_info"]["cached_tokens"] == 0, t5
+    assert t5["output_ids"] == (await local.generate(GenerateRequest(turn5, _greedy(6)))
+                                ).token_ids
     r = await client.generate(GenerateRequest(PROMPTS[2], _greedy(6)))
     assert r.token_ids == (await local.generate(GenerateRequest(PROMPTS[2], _greedy(6)))
                            ).token_ids and r.weight_version == "2"
