@@ -97,33 +97,39 @@ LAST = 10   # training steps averaged for "final" figures
 SHARED_WARM_START = ("deep",)
 SIZES = (1, 2, 4, 8)
 
-# What the paper (and the RAO authors' code, where it differs from the spec) says about each
-# variant against full RAO: the metrics the claim is about, each with the direction it expects
-# (-1 lower, +1 higher, 0 no difference).
+# What the paper, the RAO authors' code or the spec says about each variant against full RAO:
+# the metrics the claim is about, each with the direction it expects (-1 lower, +1 higher, 0 no
+# difference), where the claim comes from, and the claim.
+PAPER, CODE, SPEC = "paper", "RAO authors' code", "RAO_SPEC"
 CLAIMS = {
-    "no_depth_weights": ({"success": -1}, "paper Fig. 8: depth-weighted updates learn better "
-                         "than unweighted ones (deep, numerous nodes dominate without them)"),
-    "root_reward": ({"success": -1}, "paper Fig. 8: dense node rewards beat root-only rewards "
-                    "(a helper's own outcome is better credit than its tree's)"),
+    "no_depth_weights": ({"success": -1}, PAPER + " (Fig. 8)", "depth-weighted updates learn "
+                         "better than unweighted ones (deep, numerous nodes dominate without "
+                         "them)"),
+    "root_reward": ({"success": -1}, PAPER + " (Fig. 8)", "dense node rewards beat root-only "
+                    "rewards (a helper's own outcome is better credit than its tree's)"),
     "count_bonus": ({"helpers_per_agent": +1, "nodes_per_tree": +1, "pass_through": +1},
-                    "paper Fig. 9: a bonus on the count of successful children is hacked (more "
-                    "spawns, longer runs); the authors' code went from rewarding a launch to "
-                    "rewarding a successful launch"),
-    "lambda0": ({"delegating": -1}, "RAO_SPEC: the bonus rewards productive delegation; "
-                "without it less (or slower) delegation"),
-    "lambda04": ({"success": 0}, "a slightly weaker bonus: RAO's design expects no difference"),
-    "group_mean": ({"success": 0}, "the spec's leave-one-out baseline; a group mean scales each "
-                   "advantage by (K-1)/K and is otherwise alike: no difference expected"),
-    "tree_advantage": ({"success": -1}, "per-node credit is the paper's point: crediting every "
-                       "node with its tree's outcome should learn slower"),
-    "child_p025": ({"learner_tokens": -1, "success": 0}, "the authors' code keeps 1/4 of the "
-                   "child data: far fewer learner tokens, success expected about equal"),
-    "pass_through_gate": ({"pass_through": -1}, "the authors' code gates forwarding: fewer "
-                          "pass-throughs than RAO as specified, which pays the bonus for them"),
-    "train_roots": ({"success": -1}, "children must be trained (one policy at every depth)"),
-    "shuffled_baselines": ({"success": 0}, "a baseline that does not depend on the helper's "
-                           "action is unbiased: no difference expected at this scale"),
-    "flipped_sign": ({"success": -1}, "a flipped sign unlearns"),
+                    PAPER + " (Fig. 9) and " + CODE, "a bonus on the count of successful "
+                    "children is hacked (more spawns, longer runs); the authors' code went from "
+                    "rewarding a launch to rewarding a successful launch"),
+    "lambda0": ({"delegating": -1}, SPEC, "the bonus rewards productive delegation; without it "
+                "less (or slower) delegation"),
+    "lambda04": ({"success": 0}, "none (a sensitivity check of lambda)", "a slightly weaker "
+                 "bonus: RAO's design expects no difference"),
+    "group_mean": ({"success": 0}, "none (a design check of the spec's leave-one-out)", "a "
+                   "group mean scales each advantage by (K-1)/K and is otherwise alike: no "
+                   "difference expected"),
+    "tree_advantage": ({"success": -1}, PAPER + " (the method: per-node credit)", "crediting "
+                       "every node with its tree's outcome should learn slower"),
+    "child_p025": ({"learner_tokens": -1, "success": 0}, CODE, "keeps 1/4 of the child data: "
+                   "far fewer learner tokens, success expected about equal"),
+    "pass_through_gate": ({"pass_through": -1}, CODE, "gates forwarding: fewer pass-throughs "
+                          "than RAO as specified, which pays the bonus for them"),
+    "train_roots": ({"success": -1}, SPEC, "children must be trained (one policy at every "
+                    "depth)"),
+    "shuffled_baselines": ({"success": 0}, "none (a statistics check)", "a baseline that does "
+                           "not depend on the helper's action is unbiased: no difference "
+                           "expected at this scale"),
+    "flipped_sign": ({"success": -1}, "none (a deliberate breakage)", "a flipped sign unlearns"),
 }
 
 
@@ -257,6 +263,33 @@ def _read(run_dir: str, steps: int, task: str) -> dict | None:
   return out
 
 
+def _caps(task: str) -> dict:
+  """The deep task's caps on its held-out split, from scripted policies through the real
+  runtime (seconds, no training): the best single agent (answers its first item) and the best
+  recursive policy (splits every goal of several items, answers a single one)."""
+  import importlib
+  from experiments import micro_policy
+  from rao_jax import experiment as X
+  from rao_jax.envs import delegation_deep as D
+  c = importlib.import_module(TASKS[task][0]).get_config("")
+  env = X.make_env(c)
+  tok = micro_policy.tokenizer_for(env)
+  tasks = list(env.tasks("test"))
+  out = {"tasks": len(tasks), "split": "test (the held-out split)"}
+  for name, cell, recursive in (("single_agent", D.single_agent_cell, False),
+                                ("recursive", D.best_cell, True)):
+    trees = micro_policy.grow_trees(env, tok, X.runner_config(c, recursive=recursive), tasks,
+                                    lambda text, n, cell=cell: cell(micro_policy.user_goal(text)))
+    by_k: dict[int, list[float]] = {}
+    for t, task_ in zip(trees, tasks):
+      by_k.setdefault(int(task_.fields["k"]), []).append(t.nodes[0].success)
+    out[name] = {"success": float(np.mean([t.nodes[0].success for t in trees])),
+                 "success_by_k": {f"k{k}": float(np.mean(v)) for k, v in sorted(by_k.items())},
+                 "depth_by_k": {f"k{k}": v for k, v in
+                                sorted(_tree_figures(trees)["depth_by_k"].items())}}
+  return out
+
+
 # -- statistics ------------------------------------------------------------------------------
 
 
@@ -316,8 +349,8 @@ def _verdict(variant: str, vs: dict) -> dict | None:
   significant at this scale."""
   if variant not in CLAIMS:
     return None
-  expected, text = CLAIMS[variant]
-  out = {"claim": text, "metrics": {}}
+  expected, source, text = CLAIMS[variant]
+  out = {"claim": text, "source": source, "metrics": {}}
   for key, direction in expected.items():
     d = vs[key]
     if not d["significant"]:
@@ -333,16 +366,13 @@ def _verdict(variant: str, vs: dict) -> dict | None:
 
 def _task_result(task: str, results: dict[str, dict[int, dict]]) -> dict:
   names = [v for v in results if results[v]]
-  out = {"variants": {v: _summary(results[v]) for v in names}, "vs_rao": {}, "claims": {}}
+  out = {"variants": {v: _summary(results[v]) for v in names}, "vs_rao": {}}
   if "rao" in names:
     keys = [k for k in _finals(next(iter(results["rao"].values())))]
     for v in names:
       if v == "rao":
         continue
       out["vs_rao"][v] = {k: _paired(results[v], results["rao"], k) for k in keys}
-      claim = _verdict(v, out["vs_rao"][v])
-      if claim is not None:
-        out["claims"][v] = claim
   if task == "two_digit" and results.get("control"):
     # The fast delegation test's verdict (experiments/configs/delegation.py), run by run
     # against the same seed's lr=0 control.
@@ -468,8 +498,9 @@ def main() -> None:
                  "finished under --workdir (each variant over the seeds it has)")
   p.add_argument("--note", default="", help="a sentence for the JSON (e.g. what shared the "
                  "machine)")
-  p.add_argument("--earlier_minutes", type=float, default=0.0, help="wall minutes of earlier "
-                 "invocations that filled --workdir (added to minutes_total)")
+  p.add_argument("--refresh", action="store_true", help="run nothing and read no runs: "
+                 "rewrite --out's JSON, line and plot from its stored comparisons (claims with "
+                 "their sources, the scripted caps)")
   p.add_argument("--one", default="", help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -482,6 +513,15 @@ def main() -> None:
   if args.one:
     run_seed(args.one, args.seed, args.variants.split(","), args.workdir, args.steps)
     return
+  if args.refresh:
+    if not args.out:
+      sys.exit("--refresh rewrites --out's files: give --out (e.g. "
+               "benchmarks/results/rao_ablations).")
+    with open(args.out + ".json") as f:
+      out = json.load(f)
+    _annotate(out)
+    _write(out, args.out)
+    return
   plan = {t: ([v for v in args.variants.split(",") if v] or list(TASKS[t][1])) for t in tasks}
   if ":" in args.seeds:
     seeds = {t: int(n) for t, n in (x.split(":") for x in args.seeds.split(","))}
@@ -490,6 +530,10 @@ def main() -> None:
   seeds = {t: seeds.get(t, 0) for t in tasks}
   os.makedirs(args.workdir, exist_ok=True)
   t0 = time.time()
+  started = os.path.join(args.workdir, "started.json")   # the first invocation's start
+  if not os.path.exists(started):
+    with open(started, "w") as f:
+      json.dump({"time": t0}, f)
   if not args.report_only:
     # Seeds in rounds; a (task, seed) whose runs are all finished is not started again.
     jobs = [(t, s) for s in range(max(seeds.values())) for t in tasks if s < seeds[t]
@@ -516,13 +560,42 @@ def main() -> None:
           results[v][s] = got
     out["tasks"][t] = _task_result(t, results)
   out["minutes"] = round((time.time() - t0) / 60, 1)   # this invocation
-  out["minutes_total"] = round(out["minutes"] + args.earlier_minutes, 1)
+  # Wall minutes from the first invocation's start to the last run's last write (interrupted
+  # and resumed invocations included, with the time between them).
+  with open(started) as f:
+    first = json.load(f)["time"]
+  ends = [os.path.getmtime(os.path.join(args.workdir, t, f"seed{s}", v, "metrics.jsonl"))
+          for t in tasks for s in range(seeds[t]) for v in plan[t]
+          if os.path.exists(os.path.join(args.workdir, t, f"seed{s}", v, "metrics.jsonl"))]
+  out["minutes_total"] = round((max(ends, default=first) - first) / 60, 1)
   out["run_minutes_total"] = round(sum(
       v["minutes_per_run"] * len(v["seeds"]) for r in out["tasks"].values()
       for v in r["variants"].values()), 1)
-  # The top-level shape of earlier results: the deep task's variants.
   main_task = "deep" if "deep" in out["tasks"] else tasks[0]
+  out["main_task"] = main_task
+  _annotate(out)
+  line = _write(out, args.out)
+  print(json.dumps(line))
+
+
+def _annotate(out: dict) -> None:
+  """What a report derives from its comparisons: each claim's verdict with its source, the
+  deep task's scripted caps, and the top-level shape of earlier results (the main task's
+  variants)."""
+  for t, r in out["tasks"].items():
+    r["claims"] = {v: c for v, c in ((v, _verdict(v, vs)) for v, vs in r["vs_rao"].items())
+                   if c is not None}
+    if t == "deep":
+      r["caps"] = _caps(t)
+  main_task = out.get("main_task", "deep" if "deep" in out["tasks"] else next(iter(out["tasks"])))
+  out["main_task"] = main_task
   out["variants"] = out["tasks"][main_task]["variants"]
+  out["variants_note"] = (f"top-level 'variants' are the {main_task} task's; every task's "
+                          "variants, comparisons with full RAO and claims are under 'tasks'")
+
+
+def _write(out: dict, prefix: str) -> dict:
+  """The JSON line of ``out``; with ``prefix``, also its JSON, line and plot files."""
   line = {k: out[k] for k in ("benchmark", "cpu", "seeds", "warm_start", "steps", "note",
                               "minutes_total", "run_minutes_total")}
   line["tasks"] = {
@@ -535,14 +608,17 @@ def main() -> None:
           "significant": {v: sorted(k for k, d in vs.items() if d["significant"])
                           for v, vs in r["vs_rao"].items()}}
       for t, r in out["tasks"].items()}
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-      json.dump(out | {"plot": os.path.basename(args.out) + ".png"}, f, indent=1)
-    with open(args.out + ".line.json", "w") as f:
+  if "caps" in out["tasks"].get("deep", {}):
+    line["tasks"]["deep"]["caps"] = {k: out["tasks"]["deep"]["caps"][k]["success"]
+                                     for k in ("single_agent", "recursive")}
+  if prefix:
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".json", "w") as f:
+      json.dump(out | {"plot": os.path.basename(prefix) + ".png"}, f, indent=1)
+    with open(prefix + ".line.json", "w") as f:
       f.write(json.dumps(line) + "\n")
-    _plot(out, args.out + ".png")
-  print(json.dumps(line))
+    _plot(out, prefix + ".png")
+  return line
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ every step). `experiments.configs.delegation.learning_verdict` compares them: ov
 of 30 steps against the first 5, success and delegating share must each gain 0.15 over the
 control and lead it by 0.15 at the end.
 
-Figures from `benchmarks/bench_rao_ablations.py` (same config; its `test_figures` apply this
-verdict; success gain / success lead / delegating gain, seeds 0 and 1):
+Figures from `benchmarks/bench_rao_ablations.py` at commit 1140779, before the sampler fix
+(same config, this verdict; success gain / success lead / delegating gain, seeds 0 and 1; the
+current run's passes per variant are its JSON's `test_passes`):
   full RAO                              +0.35 / +0.28 / +0.30    +0.26 / +0.28 / +0.34   passes
   (a) root-only training                -0.14 / -0.12 / +0.22    -0.15 / -0.10 / +0.28   fails
       (the roots learn to delegate, and the delegation cell reinforced at depth 0 spreads to

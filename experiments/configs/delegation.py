@@ -86,8 +86,10 @@ def setup(workdir: str, arg: str | None = None, **warm_start):
 # the control's by MARGIN at the end. The start window is short because delegation moves
 # within a few steps.
 # MARGIN: full RAO gained 0.35 / 0.26 / 0.19 in success over the control on seeds 0-2 (leads
-# 0.28 / 0.28 / 0.23), root-only and sign-flipped runs -0.15 to -0.02 (benchmarks/results/
-# rao_ablations.json); a run's sampling noise on a 10-step mean is about 0.05.
+# 0.28 / 0.28 / 0.23), root-only and sign-flipped runs -0.15 to -0.02 (the ablation run at
+# commit 1140779, before the sampler fix); a run's sampling noise on a 10-step mean is about
+# 0.05. The current two-digit runs' passes per variant: benchmarks/results/rao_ablations.json,
+# tasks.two_digit.variants.<name>.test_passes.
 START, END, MARGIN = 5, 10, 0.15
 
 
