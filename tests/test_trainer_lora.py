@@ -3,6 +3,8 @@ embedded engine, checkpoints it (not the base), resumes, and evaluates from the 
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -68,6 +70,13 @@ def test_lora_run_trains_syncs_checkpoints_resumes_and_evaluates(tiny_hf_dir, tm
   assert [r["step"] for r in _metrics(wd) if "train/success" in r] == [1, 2, 3]
   ev = evaluation.evaluate_checkpoint(wd, num_tasks=1, modes=("recursive",))
   assert ev["step"] == 3
+  # rao-evaluate itself, as a user runs it on the LoRA run: the same greedy trees.
+  cli_out = str(tmp_path / "ev_cli")
+  proc = subprocess.run([sys.executable, "-m", "rao_jax.cli.evaluate", f"--workdir={wd}",
+                         "--num_tasks=1", "--modes=recursive", f"--out_dir={cli_out}"],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 3
 
   # The adapter exported in PEFT's format, applied on top of a full-parameter run's checkpoint
   # with the same base weights (lr 0): the same greedy trees as the LoRA run's own evaluation.
@@ -85,7 +94,7 @@ def test_lora_run_trains_syncs_checkpoints_resumes_and_evaluates(tiny_hf_dir, tm
   from rao_jax.agent import records as R
   tokens = lambda d: [[n.token_ids for n in t.nodes]   # noqa: E731
                       for t in R.load_trees_jsonl(os.path.join(d, "trees.jsonl"))]
-  assert tokens(ev["out_dir"]) == tokens(str(tmp_path / "ev2"))
+  assert tokens(ev["out_dir"]) == tokens(str(tmp_path / "ev2")) == tokens(cli_out)
   # And the adapter is really applied: a large random one changes the greedy trees.
   import numpy as np
   rng = np.random.default_rng(0)

@@ -102,3 +102,7 @@ def main(argv):
 def run() -> None:
   """The `rao-evaluate` command."""
   common.run(main, __doc__)
+
+
+if __name__ == "__main__":
+  run()

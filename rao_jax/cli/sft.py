@@ -32,3 +32,7 @@ def main(argv):
 def run() -> None:
   """The `rao-sft` command."""
   common.run(main, __doc__)
+
+
+if __name__ == "__main__":
+  run()

@@ -46,3 +46,7 @@ def train_or_exit(trainer, config, workdir: str):
 def run() -> None:
   """The `rao-train` command."""
   common.run(main, __doc__)
+
+
+if __name__ == "__main__":
+  run()
