@@ -276,12 +276,16 @@ def tree_shapes(path: str) -> dict | None:
   if not trees:
     return None
   by_depth, by_targets = collections.defaultdict(list), collections.defaultdict(list)
+  outcomes = collections.defaultdict(collections.Counter)
   for t in trees:
     for n in t.nodes:
       by_depth[n.depth].append(n.success or 0.0)
     targets = (t.root.task_fields or {}).get("target_items")
     if isinstance(targets, dict):
       by_targets[len(targets)].append(t.root.success or 0.0)
+    outcomes[len(targets) if isinstance(targets, dict) else "all"][
+        ("delegating" if len(t.nodes) > 1 else "alone") + "_"
+        + ("solved" if t.root.success else "failed")] += 1
   mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
   return {
       "trees": len(trees),
@@ -291,7 +295,11 @@ def tree_shapes(path: str) -> dict | None:
       "success_by_depth": {str(d): {"nodes": len(v), "success": mean(v)}
                            for d, v in sorted(by_depth.items())},
       "success_by_num_targets": {str(k): {"tasks": len(v), "success": mean(v)}
-                                 for k, v in sorted(by_targets.items())}}
+                                 for k, v in sorted(by_targets.items())},
+      # Trees that delegated or not, solved or not (by the root's number of targets where
+      # known): which trees a change of the delegating share comes from.
+      "delegation_by_outcome": {str(k): dict(sorted(v.items()))
+                                for k, v in sorted(outcomes.items(), key=str)}}
 
 
 def training_summary(rl_dir: str) -> dict:

@@ -69,6 +69,9 @@ def summarize(raw: dict, root: str) -> dict:
       m["success_by_num_targets"] = {
           "before": (shapes["eval_before"] or {}).get("success_by_num_targets"),
           "after": (shapes["eval_after"] or {}).get("success_by_num_targets")}
+      m["delegation_by_outcome"] = {
+          "before": (shapes["eval_before"] or {}).get("delegation_by_outcome"),
+          "after": (shapes["eval_after"] or {}).get("delegation_by_outcome")}
       m["held_out_trees"] = shapes
     modes[mode] = m
   out = {"modes": modes}

@@ -119,4 +119,6 @@ def test_tree_shapes_count_delegation_and_success_by_depth_and_targets(tmp_path)
                                         "1": {"nodes": 1, "success": 0.0}}
   assert shapes["success_by_num_targets"] == {"1": {"tasks": 1, "success": 0.0},
                                               "2": {"tasks": 1, "success": 1.0}}
+  assert shapes["delegation_by_outcome"] == {"1": {"alone_failed": 1},
+                                             "2": {"delegating_solved": 1}}
   assert le.tree_shapes(str(tmp_path / "missing.jsonl")) is None
