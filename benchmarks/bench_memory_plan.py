@@ -3,7 +3,9 @@
 For Llama-3.2-1B, Qwen3-1.7B and Qwen3-4B shapes, rows of 8,192 and 40,960 tokens, bfloat16
 compute with float32 masters and AdamW moments, and each remat policy, it reports per-device
 bytes of parameters, optimizer state, gradient accumulators and activations, and whether they
-fit an H200 (141 GB), a TPU v5p (95 GB) and a TPU v5e (16 GB) chip with 10% headroom.
+fit an H200 (141 GB), a TPU v5p (95 GB) and a TPU v5e (16 GB) chip with 10% headroom; each
+full fine-tuning row has a LoRA twin (rank 16 on every projection: moments and gradients of the
+adapter alone, the frozen base stored once), on the same shapes.
 
 The per-device figures come from an estimate (``estimate``, below); XLA's own memory analysis
 (``compiled.memory_analysis()``) of the same train step, compiled (not run) for a fake 8-device
@@ -39,12 +41,14 @@ from rao_jax.learner import LearnerConfig  # noqa: E402
 from rao_jax.learner import memory  # noqa: E402
 from rao_jax.learner import step as step_lib  # noqa: E402
 from rao_jax.model import ModelConfig, sharding  # noqa: E402
+from rao_jax.model import lora as lora_lib  # noqa: E402
 from rao_jax.model.transformer import Transformer  # noqa: E402
 
 GB = 1e9
 CHIPS = {"h200": 141e9, "tpu_v5p": 95e9, "tpu_v5e": 16e9}
 HEADROOM = memory.HEADROOM
 FSDP, TENSOR = 4, 2
+LORA_RANK = 16   # the LoRA rows: every projection adapted at this rank (alpha = 2 x rank)
 MODELS = {
     "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                          hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
@@ -142,9 +146,11 @@ def plan(quick: bool) -> dict:
   names = list(MODELS) if not quick else ["qwen3-1.7b"]
   for name in names:
     for T in (8192, 40960):
-      for remat in REMATS:
-        est = estimate(model_config(name), T, 1, remat)
-        row = {"model": name, "T": T, "remat": remat, "params_b": round(
+      for remat, lora in [(r, 0) for r in REMATS] + [(r, LORA_RANK) for r in REMATS]:
+        cfg = model_config(name, lora=lora_lib.LoraConfig(rank=lora, alpha=2.0 * max(lora, 1),
+                                                          targets=lora_lib.TARGETS))
+        est = estimate(cfg, T, 1, remat)
+        row = {"model": name, "T": T, "remat": remat, "lora_rank": lora, "params_b": round(
             n_params(model_config(name))[0] / 1e9, 3)}
         row.update({f"{k}_gb": round(v / GB, 2) for k, v in est.items()})
         row.update({f"fits_{chip}": bool(est["total"] <= HEADROOM * cap)
@@ -156,7 +162,7 @@ def plan(quick: bool) -> dict:
     for T in (8192, 40960):
       for chip in CHIPS:
         ok = [r["remat"] for r in rows if r["model"] == name and r["T"] == T
-              and r[f"fits_{chip}"]]
+              and not r["lora_rank"] and r[f"fits_{chip}"]]
         recommend[f"{name}/T={T}/{chip}"] = ok[0] if ok else "does not fit (more devices)"
   return {"rows": rows, "recommended_remat": recommend}
 
