@@ -451,8 +451,8 @@ class CachedForward:
     rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way). Given
     rows_B (the engine's prefill of scattered slots), only the new keys and values are
     scattered into the full cache; repeated rows must carry identical inputs. Attention reads
-    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU). Jittable with the cache donated, so the writes
-    happen in place; S is a static shape.
+    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU).
+    Jittable with the cache donated, so the writes happen in place; S is a static shape.
 
     Returns:
       (final-normed hidden [B, T, D], the updated cache).
