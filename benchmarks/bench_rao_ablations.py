@@ -571,8 +571,6 @@ def main() -> None:
   out["run_minutes_total"] = round(sum(
       v["minutes_per_run"] * len(v["seeds"]) for r in out["tasks"].values()
       for v in r["variants"].values()), 1)
-  main_task = "deep" if "deep" in out["tasks"] else tasks[0]
-  out["main_task"] = main_task
   _annotate(out)
   line = _write(out, args.out)
   print(json.dumps(line))
@@ -587,7 +585,7 @@ def _annotate(out: dict) -> None:
                    if c is not None}
     if t == "deep":
       r["caps"] = _caps(t)
-  main_task = out.get("main_task", "deep" if "deep" in out["tasks"] else next(iter(out["tasks"])))
+  main_task = "deep" if "deep" in out["tasks"] else next(iter(out["tasks"]))
   out["main_task"] = main_task
   out["variants"] = out["tasks"][main_task]["variants"]
   out["variants_note"] = (f"top-level 'variants' are the {main_task} task's; every task's "
