@@ -72,6 +72,14 @@ _RL_TEMPERATURE = flags.DEFINE_float(
     "rl_temperature", None, "RL rollout temperature (default: the scale's `rl_temperature`).")
 _RL_STEPS = flags.DEFINE_integer("rl_steps", None, "RL steps (default: the scale's `rl_steps`).")
 _RL_LR = flags.DEFINE_float("rl_lr", None, "RL learning rate (default: the scale's `lr`).")
+_RL_SEED = flags.DEFINE_integer(
+    "rl_seed", None, "Seeds of the RL stage only: sampling, adapter init and the train-task "
+    "draw (`seed`, and `env.train_seed` = rl_seed + 1; 0 is the default run). Another value "
+    "replicates RL from the same warm start: point --workdir at a folder whose demos, sft and "
+    "*_before stages link to the first run's.")
+_REPLICATIONS = flags.DEFINE_list(
+    "replications", [], "Result JSONs of runs with another --rl_seed from the same warm start: "
+    "their held-out figures go into this result's `replications`.")
 _STOP_AFTER = flags.DEFINE_enum(
     "stop_after", None, list(STAGES), "Run each mode's stages up to this one and stop (e.g. "
     "`sft`: rebuild the warm start a committed adapter was trained from).")
@@ -169,6 +177,9 @@ def rl_config_for(mode: str, s: dict):
     c.model.lora.rank = s["lora_rank"]
     c.model.lora.alpha = s["lora_alpha"]
   c.rl.task_weights = s.get("task_weights", "")
+  if s.get("rl_seed") is not None:
+    c.seed = int(s["rl_seed"])
+    c.env.train_seed = int(s["rl_seed"]) + 1
   return c
 
 
@@ -426,11 +437,13 @@ def main(argv):
     s["rl_steps"] = _RL_STEPS.value
   if _RL_LR.value is not None:
     s["lr"] = _RL_LR.value
+  if _RL_SEED.value is not None:
+    s["rl_seed"] = _RL_SEED.value
   root = os.path.abspath(_flag("workdir"))
   out = os.path.abspath(_flag("out"))
   if flags.FLAGS["report_only"].value:
-    result = write_report(scale, s, root, _flag("modes"), out)
-    print(json.dumps({k: result[k] for k in ("complete", "missing", "minutes")}))
+    result = write_report(scale, s, root, _flag("modes"), out, _REPLICATIONS.value)
+    print(json.dumps({k: result[k] for k in ("complete", "missing", "minutes", "bar")}))
     return
   stages = le._Stages(root)  # pylint: disable=protected-access
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
@@ -451,8 +464,8 @@ def main(argv):
   if "recursive" in _flag("modes"):
     run_readings(root, "before")
     run_readings(root, "after")
-  result = write_report(scale, s, root, _flag("modes"), out)
-  print(json.dumps({k: result[k] for k in ("modes", "vs_single", "readings", "minutes")}))
+  result = write_report(scale, s, root, _flag("modes"), out, _REPLICATIONS.value)
+  print(json.dumps({k: result[k] for k in ("modes", "vs_single", "readings", "minutes", "bar")}))
 
 
 if __name__ == "__main__":

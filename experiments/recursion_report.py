@@ -307,9 +307,45 @@ def report_trees_page(root: str, modes, path: str, per_kind: int = 4) -> None:
                          "of 8 per agent (medium, then the further readings)")
 
 
-def write_report(scale: str, s: dict, root: str, modes, out: str) -> dict:
+def bar(result: dict) -> dict | None:
+  """The bar a run is held to, item by item (None until the recursive evaluations are done):
+  recursive after RL beats its warm start and the single agent (paired 95% intervals above 0),
+  delegates on at least the warm start's share of held-out tasks, all within 3 hours."""
+  rec = result["modes"].get("recursive") or {}
+  paired, vs = rec.get("paired"), result.get("vs_single")
+  share = rec.get("delegating_share") or {}
+  if not paired or share.get("after") is None:
+    return None
+  above = lambda p: bool(p) and bool(p["ci95"][0] > 0)  # noqa: E731  (numpy floats in)
+  return {"beats_warm_start": above(paired),
+          "beats_single": above(vs) and (vs or {}).get("recursive_side") == "after RL",
+          "delegating_share_kept": bool(share["after"] >= share["before"]),
+          "within_3_hours": bool(result["minutes"] <= 180)}
+
+
+def replication(path: str) -> dict:
+  """The held-out figures of another run of this experiment from the same warm start with
+  another `--rl_seed` (its result JSON at `path`), for the main result's `replications`."""
+  r = _marker(path)
+  if r is None:
+    raise FileNotFoundError(f"{path}: no result JSON of a replication run (run the experiment "
+                            "with --rl_seed and --out first)")
+  rec = r["modes"]["recursive"]
+  return {"file": os.path.relpath(path), "rl_seed": (r.get("settings") or {}).get("rl_seed"),
+          "complete": r.get("complete"), "minutes": r.get("minutes"),
+          "after": rec.get("after"), "after_ci95": rec.get("after_ci95"),
+          "paired": rec.get("paired"), "vs_single": r.get("vs_single"),
+          "delegating_share": rec.get("delegating_share"),
+          "success_by_num_targets": (rec.get("success_by_num_targets") or {}).get("after"),
+          "delegation_by_outcome": (rec.get("delegation_by_outcome") or {}).get("after"),
+          "readings_after": {k: v.get("after") for k, v in (r.get("readings") or {}).items()},
+          "bar": r.get("bar")}
+
+
+def write_report(scale: str, s: dict, root: str, modes, out: str, replications=()) -> dict:
   """The result JSON at `out` from the stages on disk, with its plot and trees page beside it.
-  Set-aside attempts recorded in an earlier `out` are carried over."""
+  Set-aside attempts recorded in an earlier `out` are carried over; `replications` are result
+  JSONs of runs with another `--rl_seed` from the same warm start (see `replication`)."""
   previous = _marker(out)
   result = {"scale": scale, "settings": s, **report_from_disk(s, root, modes, previous)}
   caps = _marker(os.path.join(root, "caps", "stage.json"))
@@ -320,6 +356,9 @@ def write_report(scale: str, s: dict, root: str, modes, out: str) -> dict:
         **{k: v["success"] for k, v in caps["result"]["policies"].items()},
         "single_agent_upper_bound": caps["result"]["single_agent_upper_bound"]["success"]}
     result["minutes"] += caps["minutes"]
+  result["bar"] = bar(result)
+  if replications:
+    result["replications"] = [replication(p) for p in replications]
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out + ".tmp", "w") as f:
     json.dump(result, f, indent=2)

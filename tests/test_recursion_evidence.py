@@ -237,3 +237,43 @@ def test_plot_of_the_result(tmp_path):
   rep.plot(result, str(tmp_path), "medium", path)
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rl_seed_moves_only_the_rl_stage_and_zero_is_the_default_run():
+  s = dict(rev._SCALES["cpu_lora"])
+  default = rev.rl_config_for("recursive", s)
+  assert rev.rl_config_for("recursive", {**s, "rl_seed": 0}) == default
+  other = rev.rl_config_for("recursive", {**s, "rl_seed": 1})
+  assert (other.seed, other.env.train_seed) == (1, 2) != (default.seed, default.env.train_seed)
+  # The warm start and its evaluations (config_for) keep their seeds: replications share them.
+  assert rev.config_for("recursive", {**s, "rl_seed": 1}) == rev.config_for("recursive", s)
+  a, b = (X.train_tasks_for_step(X.task_split(X.make_env(c), "train", s["train"]), 0,
+                                 s["tasks_per_step"], int(c.env.train_seed), c.rl.task_weights)
+          for c in (default, other))
+  assert [t.task_id for t in a] != [t.task_id for t in b]
+
+
+def test_bar_item_by_item_and_replications_in_the_result(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+
+  def result(after_share, minutes, lo=0.1, side="after RL"):
+    return {"modes": {"recursive": {"paired": {"ci95": [lo, 0.5]},
+                                    "delegating_share": {"before": 0.9375,
+                                                         "after": after_share}}},
+            "vs_single": {"ci95": [0.8, 0.9], "recursive_side": side}, "minutes": minutes}
+  assert rep.bar(result(0.9375, 160)) == {"beats_warm_start": True, "beats_single": True,
+                                          "delegating_share_kept": True, "within_3_hours": True}
+  got = rep.bar(result(59 / 64, 190, lo=0.0, side="warm start"))
+  assert got == {"beats_warm_start": False, "beats_single": False,
+                 "delegating_share_kept": False, "within_3_hours": False}
+  assert rep.bar({"modes": {"recursive": {"paired": None}}, "minutes": 1}) is None
+  with pytest.raises(FileNotFoundError, match="--rl_seed"):
+    rep.replication(str(tmp_path / "missing.json"))
+  other = tmp_path / "seed1.json"
+  other.write_text(json.dumps({
+      **result(1.0, 90), "settings": {"rl_seed": 1}, "complete": True,
+      "bar": rep.bar(result(1.0, 90)),
+      "readings": {"hard": {"before": 0.0, "after": 0.125}}}))
+  rep_ = rep.replication(str(other))
+  assert rep_["rl_seed"] == 1 and rep_["bar"]["delegating_share_kept"] is True
+  assert rep_["delegating_share"]["after"] == 1.0 and rep_["readings_after"] == {"hard": 0.125}
