@@ -10,21 +10,35 @@ bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode ste
 2. the step's weight products alone, as a chain over the 30 layers at M = 32 rows (q/k/v/o, gate/up,
    down), in one jitted XLA program, in PyTorch and in numpy's BLAS: what any engine on this
    machine pays per step for the weights (plus the LM head, timed the same way);
-3. the decode attention alone (all layers, 32 rows, 384 slots) in XLA, as memory bandwidth.
+3. the decode attention alone (all layers, 32 rows, 384 slots) in XLA, as memory bandwidth;
+4. with `--trees` (a held-out evaluation's trees.jsonl; default: the recursion experiment's
+   warm-start evaluation, the workload of bench_eval.py), the floor under that evaluation's
+   decode: every generated token in a full batch of 32 rows, each row's attention reading only
+   the positions it has (not the whole window), at this CPU's peaks (bench_peak.py) and at the
+   rates XLA reaches here (2 and 3), beside the engine as configured (its step at the 2,048-slot
+   window, 32 rows always full). Prefill, sampling, cells and partly filled batches are left
+   out, so each figure is below what any run could take.
 
 Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peak  # noqa: E402  (this folder's: the machine's measured peak)
+
 ROWS = 32
+EVAL_TREES = "runs/recursion/recursive/eval_before/trees.jsonl"
+EVAL_GOAL_S = 8 * 60   # the held-out evaluation goal: 64 recursive trees in 8 minutes
 
 
 def say(*a):
@@ -48,7 +62,7 @@ def decode_steps(model):
   params, fns = model.inference_params(), model.inference_fns()
   step = functools.partial(programs.decode, fns, 1)
   out = {}
-  for S in (64, 384, 768):
+  for S in (64, 384, 768, 2048):
     state = {"cache": model.init_cache(batch_size=ROWS, max_len=S)}
     R = ROWS
     args = (programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
@@ -133,7 +147,42 @@ def attention_alone(cfg, S=384):
   return ms, gb / ms * 1000
 
 
+def evaluation_floor(cfg, trees_path: str, step_ms_window: float, weights_ms: float,
+                     attention_gbps: float, peak: dict | None) -> dict:
+  """Floors under the decode of the evaluation whose trees are in `trees_path` (see the module
+  doc, 4). Each generated token attends over the positions before it and itself."""
+  contexts = []
+  with open(trees_path) as f:
+    for line in f:
+      for node in json.loads(line)["nodes"]:
+        contexts += [i + 1 for i, m in enumerate(node["gen_mask"]) if m]
+  tokens = len(contexts)
+  kv_bytes = bench_peak.decode_step_bytes(cfg, contexts) - 4 * bench_peak.matmul_params(cfg)
+  product_flops = 2 * bench_peak.matmul_params(cfg) * tokens
+  out = {"trees": trees_path, "generated_tokens": tokens,
+         "mean_context": round(sum(contexts) / max(tokens, 1), 1), "max_context": max(contexts),
+         "kv_gb_read": round(kv_bytes / 1e9, 1), "goal_s": EVAL_GOAL_S,
+         # The engine as configured: each decode call reads the whole window of every row.
+         "engine_full_batches_s": round(tokens / ROWS * step_ms_window / 1000, 1),
+         # XLA's products (this run's fastest library) and attention reading live slots only.
+         "xla_rates_live_slots_s": round(tokens / ROWS * weights_ms / 1000
+                                         + kv_bytes / (attention_gbps * 1e9), 1)}
+  if peak is not None:
+    out["peak_live_slots_s"] = round(product_flops / (peak["peak_gflops"] * 1e9)
+                                     + kv_bytes / (peak["peak_gbps"] * 1e9), 1)
+    out["peak"] = {"gflops": peak["peak_gflops"], "gbps": peak["peak_gbps"]}
+  say(f"evaluation floor ({tokens} generated tokens, mean context {out['mean_context']}): "
+      f"engine as configured {out['engine_full_batches_s']} s, XLA rates on live slots "
+      f"{out['xla_rates_live_slots_s']} s, this CPU's peaks {out.get('peak_live_slots_s')} s; "
+      f"goal {EVAL_GOAL_S} s")
+  return out
+
+
 def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--trees", default=EVAL_TREES,
+                  help="a held-out evaluation's trees.jsonl for the evaluation floor ('' = none)")
+  args = ap.parse_args()
   from rao_jax.model import load_model
   model = load_model("smollm2-135m", dtype="float32")
   steps = decode_steps(model)
@@ -144,7 +193,7 @@ def main():
   result = {
       "benchmark": "decode_floor_b32_smollm2_135m_f32", "rows": ROWS,
       "step_ms_cache64": round(steps[64], 1), "step_ms_cache384": round(steps[384], 1),
-      "step_ms_cache768": round(steps[768], 1),
+      "step_ms_cache768": round(steps[768], 1), "step_ms_cache2048": round(steps[2048], 1),
       "attention_ms_per_384_slots_in_step": round(slope * 384, 1),
       "attention_alone_ms_384": round(att_ms, 1), "attention_alone_gb_s": round(att_gbs, 1),
       "layer_products_ms": {"xla": round(l_xla, 1), "torch": round(l_torch, 1),
@@ -154,7 +203,14 @@ def main():
       # The fastest of the three libraries for the weights alone, no attention, no sampling.
       "weights_floor_ms": round(floor, 1),
       "weights_floor_tok_s": round(ROWS / floor * 1000, 1),
+      "cpu": bench_peak.cpu_model(), "load_avg_1m": round(os.getloadavg()[0], 2),
   }
+  if args.trees and os.path.exists(args.trees):
+    result["evaluation_floor"] = evaluation_floor(
+        model.cfg, args.trees, steps[2048], floor, att_gbs, bench_peak.load_peak())
+  elif args.trees:
+    say(f"no evaluation floor: {args.trees} does not exist (run the recursion experiment's "
+        "eval_before stage, or pass --trees)")
   print(json.dumps(result))
 
 
