@@ -15,8 +15,8 @@ bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode ste
    warm-start evaluation, the workload of bench_eval.py), the floor under that evaluation's
    decode: every generated token in a full batch of 32 rows, each row's attention reading only
    the positions it has (not the whole window), at this CPU's peaks (bench_peak.py) and at the
-   rates XLA reaches here (2 and 3), beside the engine as configured (its step at the 2,048-slot
-   window, 32 rows always full). Prefill, sampling, cells and partly filled batches are left
+   rates XLA reaches here (2 and 3), beside the engine's own step (at the 2,048-slot window it
+   is configured with, and at 64 slots plus attention over the live slots), 32 rows always full. Prefill, sampling, cells and partly filled batches are left
    out, so each figure is below what any run could take.
 
 Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
@@ -147,8 +147,8 @@ def attention_alone(cfg, S=384):
   return ms, gb / ms * 1000
 
 
-def evaluation_floor(cfg, trees_path: str, step_ms_window: float, weights_ms: float,
-                     attention_gbps: float, peak: dict | None) -> dict:
+def evaluation_floor(cfg, trees_path: str, step_ms_window: float, step_ms_short: float,
+                     weights_ms: float, attention_gbps: float, peak: dict | None) -> dict:
   """Floors under the decode of the evaluation whose trees are in `trees_path` (see the module
   doc, 4). Each generated token attends over the positions before it and itself."""
   contexts = []
@@ -164,7 +164,12 @@ def evaluation_floor(cfg, trees_path: str, step_ms_window: float, weights_ms: fl
          "kv_gb_read": round(kv_bytes / 1e9, 1), "goal_s": EVAL_GOAL_S,
          # The engine as configured: each decode call reads the whole window of every row.
          "engine_full_batches_s": round(tokens / ROWS * step_ms_window / 1000, 1),
-         # XLA's products (this run's fastest library) and attention reading live slots only.
+         # The engine's step without its window (at 64 slots: products, norms, sampling) with
+         # attention reading live slots only, at the rate XLA's attention reaches alone.
+         "engine_live_slots_s": round(tokens / ROWS * step_ms_short / 1000
+                                      + kv_bytes / (attention_gbps * 1e9), 1),
+         # XLA's products alone (this run's fastest library) and that attention: no norms,
+         # no sampling.
          "xla_rates_live_slots_s": round(tokens / ROWS * weights_ms / 1000
                                          + kv_bytes / (attention_gbps * 1e9), 1)}
   if peak is not None:
@@ -172,7 +177,8 @@ def evaluation_floor(cfg, trees_path: str, step_ms_window: float, weights_ms: fl
                                      + kv_bytes / (peak["peak_gbps"] * 1e9), 1)
     out["peak"] = {"gflops": peak["peak_gflops"], "gbps": peak["peak_gbps"]}
   say(f"evaluation floor ({tokens} generated tokens, mean context {out['mean_context']}): "
-      f"engine as configured {out['engine_full_batches_s']} s, XLA rates on live slots "
+      f"engine as configured {out['engine_full_batches_s']} s, the engine on live slots "
+      f"{out['engine_live_slots_s']} s, XLA's products and attention on live slots "
       f"{out['xla_rates_live_slots_s']} s, this CPU's peaks {out.get('peak_live_slots_s')} s; "
       f"goal {EVAL_GOAL_S} s")
   return out
@@ -207,7 +213,7 @@ def main():
   }
   if args.trees and os.path.exists(args.trees):
     result["evaluation_floor"] = evaluation_floor(
-        model.cfg, args.trees, steps[2048], floor, att_gbs, bench_peak.load_peak())
+        model.cfg, args.trees, steps[2048], steps[64], floor, att_gbs, bench_peak.load_peak())
   elif args.trees:
     say(f"no evaluation floor: {args.trees} does not exist (run the recursion experiment's "
         "eval_before stage, or pass --trees)")
