@@ -42,6 +42,10 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   # Measured on the idle 2-core AMD EPYC: RL steps 11-18 min (16 trees: rollouts 6-9 min,
   # learner 4-9), held-out evaluations 16-19 min (64 medium trees), 8-9 (32 trees of the other
   # world), ~16 (8 hard trees); with the warm start reused, ~2.5 hours in all.
+  # The same RL from the same warm start with another seed (the warm start's stages linked,
+  # not redone), its figures carried into the first result's `replications`:
+  python -m experiments.recursion_evidence --scale=cpu_lora --rl_seed=1 --share_stages_from=runs/recursion --workdir=runs/recursion_rlseed1 --out=benchmarks/results/recursion_evidence_rlseed1.json
+  python -m experiments.recursion_evidence --scale=cpu_lora --workdir=runs/recursion --report_only --replications=benchmarks/results/recursion_evidence_rlseed1.json
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
   # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
@@ -77,6 +81,11 @@ _RL_SEED = flags.DEFINE_integer(
     "draw (`seed`, and `env.train_seed` = rl_seed + 1; 0 is the default run). Another value "
     "replicates RL from the same warm start: point --workdir at a folder whose demos, sft and "
     "*_before stages link to the first run's.")
+_SHARE_FROM = flags.DEFINE_string(
+    "share_stages_from", None, "A workdir of this experiment whose warm start to reuse: its "
+    "complete caps, demos, sft, eval_before and reading_*_before stages are linked into "
+    "--workdir where that has none of its own (with --rl_seed: RL replicated from the same "
+    "warm start).")
 _REPLICATIONS = flags.DEFINE_list(
     "replications", [], "Result JSONs of runs with another --rl_seed from the same warm start: "
     "their held-out figures go into this result's `replications`.")
@@ -388,6 +397,23 @@ def run_readings(root: str, which: str, names=tuple(READINGS)) -> dict:
   return {n: stages.run(f"reading_{n}_{which}", reading_stage(src, n)) for n in names}
 
 
+def share_stages(src: str, root: str, modes) -> list[str]:
+  """Links the complete warm-start stages of the workdir `src` (caps; per mode demos, sft,
+  eval_before; the readings before RL) into `root` where `root` has no such stage folder;
+  returns the stages linked. A stage `src` has not completed is left for this run to do."""
+  names = ["caps"] + [f"{m}/{st}" for m in modes for st in ("demos", "sft", "eval_before")]
+  if "recursive" in modes:
+    names += [f"recursive/reading_{n}_before" for n in READINGS]
+  linked = []
+  for name in names:
+    src_dir, dst = os.path.join(os.path.abspath(src), name), os.path.join(root, name)
+    if os.path.exists(os.path.join(src_dir, "stage.json")) and not os.path.lexists(dst):
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      os.symlink(os.path.relpath(src_dir, os.path.dirname(dst)), dst)
+      linked.append(name)
+  return linked
+
+
 def run_stages(mode: str, s: dict, root: str, names=STAGES) -> tuple[dict, dict]:
   """The stages `names` of one mode, in STAGES order, each once (a complete stage is read back);
   returns ({stage: result}, {stage: minutes})."""
@@ -445,6 +471,9 @@ def main(argv):
     result = write_report(scale, s, root, _flag("modes"), out, _REPLICATIONS.value)
     print(json.dumps({k: result[k] for k in ("complete", "missing", "minutes", "bar")}))
     return
+  if _SHARE_FROM.value:
+    linked = share_stages(_SHARE_FROM.value, root, _flag("modes"))
+    print(f"stages linked from {_SHARE_FROM.value}: {', '.join(linked) or 'none'}", flush=True)
   stages = le._Stages(root)  # pylint: disable=protected-access
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
   caps_out = os.path.abspath(_CAPS_OUT.value)

@@ -277,3 +277,19 @@ def test_bar_item_by_item_and_replications_in_the_result(tmp_path):
   rep_ = rep.replication(str(other))
   assert rep_["rl_seed"] == 1 and rep_["bar"]["delegating_share_kept"] is True
   assert rep_["delegating_share"]["after"] == 1.0 and rep_["readings_after"] == {"hard": 0.125}
+
+
+def test_share_stages_links_the_complete_warm_start_stages_only(tmp_path):
+  src, dst = tmp_path / "first", tmp_path / "second"
+  for name in ("caps", "recursive/demos", "recursive/sft", "recursive/eval_before",
+               "recursive/reading_hard_before", "recursive/rl", "single/sft"):
+    (src / name).mkdir(parents=True)
+    (src / name / "stage.json").write_text("{}")
+  (src / "single" / "demos").mkdir()                     # not complete: this run redoes it
+  (dst / "recursive" / "demos").mkdir(parents=True)      # the new workdir's own: kept
+  linked = rev.share_stages(str(src), str(dst), ["recursive", "single"])
+  assert sorted(linked) == ["caps", "recursive/eval_before", "recursive/reading_hard_before",
+                            "recursive/sft", "single/sft"]
+  assert (dst / "recursive" / "sft").is_symlink() and (dst / "recursive" / "sft" / "stage.json").exists()
+  assert not (dst / "recursive" / "demos").is_symlink() and not (dst / "recursive" / "rl").exists()
+  assert rev.share_stages(str(src), str(dst), ["recursive", "single"]) == []   # idempotent
