@@ -235,7 +235,8 @@ def report_plot(result: dict, root: str, path: str) -> None:
     if os.path.exists(os.path.join(rl, "metrics.jsonl")):
       st = result.get("settings") or {}
       how = (f" ({'LoRA' if st.get('lora_rank') else 'full'} lr {st.get('lr')}, "
-             f"{st.get('tasks_per_step', 0) * st.get('group', 0)} trees a step)"
+             f"{st.get('tasks_per_step', 0) * st.get('group', 0)} trees a step"
+             f"{'' if st.get('rl_seed') is None else ', RL seed %d' % st['rl_seed']})"
              if mode == "recursive" and st else "")
       runs.append((f"{mode} RL{how}", le.training_summary(rl)))
   for label, tr in runs:
