@@ -16,8 +16,9 @@ bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode ste
    decode: every generated token in a full batch of 32 rows, each row's attention reading only
    the positions it has (not the whole window), at this CPU's peaks (bench_peak.py) and at the
    rates XLA reaches here (2 and 3), beside the engine's own step (at the 2,048-slot window it
-   is configured with, and at 64 slots plus attention over the live slots), 32 rows always full. Prefill, sampling, cells and partly filled batches are left
-   out, so each figure is below what any run could take.
+   is configured with, and at 64 slots plus attention over the live slots), 32 rows always
+   full. Prefill, cells and partly filled batches are left out, so each figure is below what a
+   run of that engine could take.
 
 Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
 """

@@ -79,8 +79,8 @@ _RL_LR = flags.DEFINE_float("rl_lr", None, "RL learning rate (default: the scale
 _RL_SEED = flags.DEFINE_integer(
     "rl_seed", None, "Seeds of the RL stage only: sampling, adapter init and the train-task "
     "draw (`seed`, and `env.train_seed` = rl_seed + 1; 0 is the default run). Another value "
-    "replicates RL from the same warm start: point --workdir at a folder whose demos, sft and "
-    "*_before stages link to the first run's.")
+    "replicates RL from the same warm start (a new --workdir, with --share_stages_from the "
+    "first run's).")
 _SHARE_FROM = flags.DEFINE_string(
     "share_stages_from", None, "A workdir of this experiment whose warm start to reuse: its "
     "complete caps, demos, sft, eval_before and reading_*_before stages are linked into "
