@@ -158,6 +158,8 @@ def evaluation_floor(cfg, trees_path: str, step_ms_window: float, step_ms_short:
       for node in json.loads(line)["nodes"]:
         contexts += [i + 1 for i, m in enumerate(node["gen_mask"]) if m]
   tokens = len(contexts)
+  # bench_peak's bytes of one decode over these contexts, less the weights read once: the keys
+  # and values every generated token reads.
   kv_bytes = bench_peak.decode_step_bytes(cfg, contexts) - 4 * bench_peak.matmul_params(cfg)
   product_flops = 2 * bench_peak.matmul_params(cfg) * tokens
   out = {"trees": trees_path, "generated_tokens": tokens,

@@ -182,9 +182,16 @@ def test_report_reads_the_further_readings_and_keeps_earlier_attempts(tmp_path):
   # plot with the readings' bars, the trees page.
   path = tmp_path / "result.json"
   path.write_text(json.dumps(previous))
+  seed1 = tmp_path / "seed1.json"
+  seed1.write_text(json.dumps({"settings": {"rl_seed": 1},
+                               "modes": {"recursive": {"after": 0.25}}}))
   res = rep.write_report("cpu_lora", dict(rev._SCALES["cpu_lora"]), str(tmp_path),
-                         ["recursive", "single"], str(path))
-  assert json.loads(path.read_text())["readings"]["hard"]["after"] == 0.5
+                         ["recursive", "single"], str(path), replications=[str(seed1)])
+  written = json.loads(path.read_text())
+  assert written["readings"]["hard"]["after"] == 0.5
+  assert [(r["rl_seed"], r["after"]) for r in written["replications"]] == [(1, 0.25)]
+  assert set(written["bar"]) == {"beats_warm_start", "beats_single", "delegating_share_kept",
+                                 "within_3_hours"}
   assert res["modes"]["recursive"]["rl_attempts"][0]["folder"] == "rl_full_2e-06"
   assert (tmp_path / "result.png").read_bytes()[:4] == b"\x89PNG"
   assert "hard, after RL" in (tmp_path / "result_trees.html").read_text()
@@ -290,6 +297,7 @@ def test_share_stages_links_the_complete_warm_start_stages_only(tmp_path):
   linked = rev.share_stages(str(src), str(dst), ["recursive", "single"])
   assert sorted(linked) == ["caps", "recursive/eval_before", "recursive/reading_hard_before",
                             "recursive/sft", "single/sft"]
-  assert (dst / "recursive" / "sft").is_symlink() and (dst / "recursive" / "sft" / "stage.json").exists()
+  linked_sft = dst / "recursive" / "sft"
+  assert linked_sft.is_symlink() and (linked_sft / "stage.json").exists()
   assert not (dst / "recursive" / "demos").is_symlink() and not (dst / "recursive" / "rl").exists()
   assert rev.share_stages(str(src), str(dst), ["recursive", "single"]) == []   # idempotent
