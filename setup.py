@@ -2,7 +2,7 @@
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 # The experiment configs (and the micro-runs' warm start they call) as the wheel ships them:
@@ -36,8 +36,14 @@ setup(
     # rao_jax only: a top-level `experiments` package in site-packages would collide with
     # others; the configs ship inside rao_jax (SHIPPED above), the demo and wrappers do not.
     cmdclass={"build_py": BuildPyShippingConfigs},
-    packages=find_packages(include=["rao_jax", "rao_jax.*"]),
-    package_data={"rao_jax": ["envs/data/**/*", "envs/data/*", "kernels/csrc/*.cc", "kernels/csrc/*.h"]},
+    # Namespace discovery lists the data folders (kernels/csrc, envs/data/...) as packages too:
+    # Python can import them, and setuptools warns a page per folder when they ship as data of
+    # a package that does not list them (what `make demo` printed on a fresh clone).
+    packages=find_namespace_packages(include=["rao_jax", "rao_jax.*"],
+                                     exclude=["*.__pycache__", "*.__pycache__.*"]),
+    package_data={"rao_jax.kernels.csrc": ["*.cc", "*.h"],
+                  "rao_jax.envs.data.textcraft": ["*"],
+                  "rao_jax.envs.data.textcraft.recipes": ["*.json"]},
     include_package_data=True,
     entry_points={"console_scripts": [
         "rao-train = rao_jax.cli.train:run",
