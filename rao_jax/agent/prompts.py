@@ -20,13 +20,24 @@ large independent parts; do small ones yourself.
 """
 
 
+def can_launch(recursive: bool, depth: int, max_depth: int) -> bool:
+  """Whether a node may launch helpers: recursive mode and above the depth limit."""
+  return recursive and depth < max_depth
+
+
 def system_prompt(tool_docs: str, recursive: bool, depth: int, max_depth: int,
                   steps: int, budget: int, context_window: int) -> str:
   """The system prompt of one node.
 
+  At the depth limit nothing here offers helpers: the caller passes the environment's
+  non-recursive tool docs (`Environment.tool_docs(can_launch(...))`), and the limits line says
+  plainly that this agent works alone (a prompt that documented `launch_subagent` next to a
+  line forbidding it contradicted itself).
+
   Args:
-    tool_docs: the environment's tool documentation (`Environment.tool_docs`).
-    recursive: whether `launch_subagent` is available (single-agent mode: False).
+    tool_docs: the environment's tool documentation (`Environment.tool_docs`), non-recursive at
+      the depth limit.
+    recursive: whether the tree may launch helpers at all (single-agent mode: False).
     depth: the node's depth (root 0).
     max_depth: deepest depth a helper may have.
     steps: the code turns this node may take.
@@ -34,15 +45,16 @@ def system_prompt(tool_docs: str, recursive: bool, depth: int, max_depth: int,
     context_window: the node's context window in tokens.
   """
   parts = [_INTRO, tool_docs.rstrip("\n") + "\n" + _FINISH]
-  can_launch = recursive and depth < max_depth
-  if can_launch:
+  launch = can_launch(recursive, depth, max_depth)
+  if launch:
     parts.append(_RECURSIVE)
   limits = [f"you have at most {steps} turns", f"your context window is {context_window} tokens"]
-  if can_launch:
+  if launch:
     limits.append(f"your step budget (your turns plus your helpers' turns) is {budget}")
-  if recursive:
-    limits.append(f"you are at depth {depth}; helpers may go down to depth {max_depth}"
-                  + ("" if can_launch else " (you cannot launch helpers)"))
+    limits.append(f"you are at depth {depth}; helpers may go down to depth {max_depth}")
+  elif recursive:
+    limits.append(f"you are at depth {depth}, the deepest: you cannot launch helpers, do all "
+                  "of your task yourself")
   parts.append("Limits: " + "; ".join(limits) + ".\n")
   return "\n".join(parts)
 

@@ -7,7 +7,9 @@ node's code starts a child node on the same engine, concurrently with its siblin
 gathered, and returns the child's final message to the parent's REPL.
 
 Host-enforced limits (`RunnerConfig`):
-  * depth: a node at `max_depth` gets an error string from `launch_subagent`, not a child;
+  * depth: a node at `max_depth` is not offered helpers (its prompt has the environment's
+    non-recursive tool docs) and gets an error string, not a child, if it calls
+    `launch_subagent` anyway;
   * turns per agent: `max_steps_per_agent` own turns, then the node ends with "max_steps";
   * step budget: a tree has `task.max_steps` steps (turns, all nodes together), capped by
     `tree_step_budget` when set. A node's budget
@@ -29,7 +31,9 @@ it ends with "timeout" at its next turn boundary, a generation in flight is cut,
 
 Trees of many tasks run concurrently on one event loop (`run_tasks`) and share the engine,
 whose batching is what makes that fast. With `recursive=False` (single-agent mode) the tool is
-not offered at all.
+not offered at all. At each launch the environment may judge whether the child's task lies
+outside its root's or its parent's task (`Environment.subtask_scope`); the child's record keeps
+that in `extras["scope"]`, a drift signal for training.
 """
 from __future__ import annotations
 
@@ -209,7 +213,8 @@ class TreeRunner:
     if self.cfg.tree_step_budget is not None:
       steps = min(steps, self.cfg.tree_step_budget)
     info = base.NodeInfo(node_id="0", parent_id=None, depth=0, goal=task.goal,
-                         fields=dict(task.fields), max_steps=steps)
+                         fields=dict(task.fields), max_steps=steps,
+                         can_launch=prompts.can_launch(self.cfg.recursive, 0, self.cfg.max_depth))
     await self._run_node(tree, info, _Budget(steps), variables={})
     # A root that ended while children it never awaited still run: stop them.
     pending = [t for t in tree.children if not t.done()]
@@ -232,12 +237,15 @@ class TreeRunner:
   # -- one node ----------------------------------------------------------------------------
 
   async def _run_node(self, tree: _Tree, info: base.NodeInfo, budget: _Budget,
-                      variables: dict[str, Any], counted: bool = False) -> base.NodeOutcome:
-    """counted: the caller already counted this node in `tree.live` (launch_subagent)."""
+                      variables: dict[str, Any], counted: bool = False,
+                      extras: dict[str, Any] | None = None) -> base.NodeOutcome:
+    """counted: the caller already counted this node in `tree.live` (launch_subagent).
+    extras: recorded with the node from the start (the child's scope flags at launch)."""
     cfg = self.cfg
     rec = R.NodeRecord(node_id=info.node_id, parent_id=info.parent_id, depth=info.depth,
                        goal=info.goal, task_fields=_jsonable(dict(info.fields)),
                        timings={"start": tree.now(), "generate": 0.0, "execute": 0.0})
+    rec.extras.update(extras or {})
     rec.extras["turns"] = []
     tree.records.append(rec)
     own_cap = min(cfg.max_steps_per_agent, budget.left)
@@ -248,9 +256,10 @@ class TreeRunner:
     repl = None
     reason = R.END_ERROR
     try:
+      # At the depth limit the environment's non-recursive docs: no helper is offered there.
       system = prompts.system_prompt(
-          self.env.tool_docs(cfg.recursive), cfg.recursive, info.depth, cfg.max_depth, own_cap,
-          budget.left, cfg.context_window)
+          self.env.tool_docs(info.can_launch), cfg.recursive, info.depth, cfg.max_depth,
+          own_cap, budget.left, cfg.context_window)
       ids = self.chat.prompt_ids(system, self.env.task_prompt(info))
       rec.token_ids.extend(ids)
       rec.gen_mask.extend([0] * len(ids))
@@ -450,13 +459,24 @@ class TreeRunner:
       child_budget = _Budget(grant)
       child_id = f"{info.node_id}.{next(st.child_counter)}"
       st.rec.children.append(child_id)
-      child_info = base.NodeInfo(node_id=child_id, parent_id=info.node_id, depth=info.depth + 1,
-                                 goal=spec.goal, fields=dict(spec.fields), max_steps=grant)
+      child_info = base.NodeInfo(
+          node_id=child_id, parent_id=info.node_id, depth=info.depth + 1, goal=spec.goal,
+          fields=dict(spec.fields), max_steps=grant,
+          can_launch=prompts.can_launch(cfg.recursive, info.depth + 1, cfg.max_depth))
+      extras = {}
+      try:
+        scope = self.env.subtask_scope(tree.episode, info, spec)
+      except Exception as e:   # a drift signal must never cost the agent its helper
+        extras["scope_error"] = f"{type(e).__name__}: {e}"
+      else:
+        if scope is not None:
+          extras["scope"] = _jsonable(dict(scope))
       # Counted here, not when the task first runs: launches gathered in one loop iteration
       # would otherwise all pass the check above before any of them counted itself.
       tree.live += 1
       task = asyncio.ensure_future(self._run_node(tree, child_info, child_budget,
-                                                  dict(spec.variables), counted=True))
+                                                  dict(spec.variables), counted=True,
+                                                  extras=extras))
       tree.children.add(task)
       try:
         outcome = await asyncio.shield(task)

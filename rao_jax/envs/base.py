@@ -96,6 +96,9 @@ class NodeInfo:
     goal: the node's goal text.
     fields: the node's structured fields (the task's for the root, `ChildSpec.fields` else).
     max_steps: the steps this node may take (granted from the tree budget).
+    can_launch: whether this node may launch helpers (recursive mode, above the depth limit);
+      the runtime sets it so that nothing an environment shows the node (its tools' messages)
+      offers helpers the node cannot have. True for nodes built by hand.
   """
   node_id: str
   parent_id: str | None
@@ -103,6 +106,7 @@ class NodeInfo:
   goal: str
   fields: Mapping[str, Any]
   max_steps: int
+  can_launch: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,10 +228,25 @@ class Environment(abc.ABC):
     """
 
   def format_child_result(self, episode: Episode, spec: ChildSpec, outcome: NodeOutcome) -> str:
-    """What the parent's `await launch_subagent(...)` returns for a finished child."""
-    msg = outcome.final_message if outcome.finished else (
-        f"Subagent did not finish (ended by {outcome.end_reason}).")
-    return f"{msg} [subagent used {outcome.subtree_steps_used} steps]"
+    """What the parent's `await launch_subagent(...)` returns for a child that has ended.
+
+    It must not hide a failure: a parent that reads a failed helper's reply as done builds on
+    nothing (the default says "did NOT finish" and why).
+    """
+    used = f"[subagent used {outcome.subtree_steps_used} steps]"
+    if outcome.finished:
+      return f"Subagent finished: {outcome.final_message} {used}"
+    return f"Subagent did NOT finish ({outcome.end_reason}). {used}"
+
+  def subtask_scope(self, episode: Episode, parent: NodeInfo, spec: ChildSpec
+                    ) -> dict[str, bool] | None:
+    """Whether a child's task lies outside its root's and its parent's tasks, at launch.
+
+    Returns `{"outside_root": bool, "outside_parent": bool}` (a drift signal: a helper sent
+    after something no ancestor asked for), or None when the environment cannot tell (free-text
+    goals). The runtime stores it in the child's `NodeRecord.extras["scope"]`.
+    """
+    return None
 
   # -- verification --------------------------------------------------------------------------
 

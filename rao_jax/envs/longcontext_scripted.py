@@ -46,7 +46,7 @@ def chat_messages(prompt_text: str) -> list[tuple[str, str]]:
 
 
 def can_launch(system: str) -> bool:
-  return "await launch_subagent(" in system and "(you cannot launch helpers)" not in system
+  return "await launch_subagent(" in system and "you cannot launch helpers" not in system
 
 
 def context_window(system: str, default: int = 8192) -> int:
