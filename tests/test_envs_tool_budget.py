@@ -84,11 +84,14 @@ def test_no_budget_by_default_and_docs_and_variable_when_on():
   craft = off.node_tools(ep, node("0"))["craft"]
   assert all(craft(ings, (item, rc)) == f"Crafted {rc} {item}." for _ in range(12))
   assert "craft_budget_per_agent" not in ep.summary()
-  assert "craft budget" not in off.tool_docs(True).lower() and off.node_variables(ep, node("0")) == {}
+  root = base.NodeInfo("0", None, 0, task.goal, task.fields, 10)
+  assert "craft budget" not in off.tool_docs(True).lower()
+  assert off.node_variables(ep, root) == {"targets": {item: 1}}
   on = synth(BUDGET)
   assert f"at most {BUDGET} times" in on.tool_docs(False)
   assert "own" in on.tool_docs(True) and "own" not in on.tool_docs(False)
-  assert on.node_variables(on.new_episode(task), node("0")) == {"craft_budget": BUDGET}
+  assert on.node_variables(on.new_episode(task), root) == {"targets": {item: 1},
+                                                           "craft_budget": BUDGET}
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])

@@ -279,8 +279,8 @@ def make(item, n, dry=False):
   return m + 1"""
 
 _BUDGET_MAIN = """\
-left, tops, big = craft_budget - len(goal), [], []
-for item, n in goal.items():
+left, tops, big = craft_budget - len(targets), [], []
+for item, n in targets.items():
   r = get_info([item])[0]['recipes'][0]
   k = -(-n // r['result_count'])
   ings = {x: c * k for x, c in r['ingredients'].items()}
@@ -309,18 +309,22 @@ def budget_program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   their sizes. A helper runs the same cell, so the decomposition recurses until each agent's
   part fits its own budget. A goal that fits the budget needs no helper. Only the goal and the
   step budget (copied from the prompt) change between demonstrations, so a small model has one
-  program to learn (a cell of ~390 SmolLM2 tokens).
+  program to learn (a cell of ~380 SmolLM2 tokens). The targets are never written in the cell:
+  it reads the node's REPL variable `targets` (what a helper's `launch_subagent` passed), so a
+  model that imitates it has nothing to retype and no item to invent.
   """
   if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
-    return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
+    return _GIVE_UP
   m = _BUDGET.search(prompt_text)
   # This turn is already counted when the cell runs, and launch_subagent keeps one step back.
   # Written as the prompt's number minus 2: a model copies the number, no arithmetic.
   steps = f"({m.group(1)} - 2)" if m and int(m.group(1)) > 2 else "1"
-  goal = "{" + ", ".join(f"{item!r}: {n}" for item, n in targets.items()) + "}"
   return ("Craft my targets and what fits my craft budget; helpers craft the rest.\n```python\n"
-          + _BUDGET_SOLVER + f"\ngoal = {goal}\n"
-          + _BUDGET_MAIN.replace("STEPS", steps) + "\n```")
+          + _BUDGET_SOLVER + "\n" + _BUDGET_MAIN.replace("STEPS", steps) + "\n```")
+
+
+# The failure message names the targets from the REPL variable too (nothing is retyped).
+_GIVE_UP = "It did not finish.\n```python\nfinish(f'Failed to craft {targets}.')\n```"
 
 
 def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
@@ -331,21 +335,28 @@ def program_turn(prompt_text: str, targets: Mapping[str, int]) -> str:
   counts). The same function solves every TextCraft-Synth task (one recipe per item, and the
   initial inventory covers each ingredient occurrence crafted on its own), so what a small
   model must learn is to reproduce it and to pass the goal's targets, or, with several
-  targets, to give each to a helper: mistakes RL can find and fix.
+  targets, to give each to a helper: mistakes RL can find and fix. The cell iterates over the
+  REPL variable `targets` instead of writing them out, so nothing is retyped.
+  `targets` (parsed from the goal) only chooses between the single- and multi-target cells.
   """
   if "[turns left: " in prompt_text:   # the cell ran and did not finish: give up cleanly
-    return f"It did not finish.\n```python\nfinish('Failed to craft {_summary(targets)}.')\n```"
-  can_launch = ("await launch_subagent(" in prompt_text
-                and "(you cannot launch helpers)" not in prompt_text)
-  if can_launch and _CRAFT_BUDGET.search(prompt_text):
+    return _GIVE_UP
+  launch = can_launch(prompt_text)
+  if launch and _CRAFT_BUDGET.search(prompt_text):
     return budget_program_turn(prompt_text, targets)
-  if can_launch and len(targets) > 1:
-    calls = "\n".join(f" launch_subagent({{{item!r}: {n}}}, 20)," for item, n in targets.items())
-    return ("One helper per target.\n```python\nprint(await asyncio.gather(\n" + calls
-            + "\n))\nfinish('done')\n```")
-  calls = "\n".join(f"make({item!r}, {n})" for item, n in targets.items())
-  return ("Craft each target from base items.\n```python\n" + _SOLVER + "\n" + calls
-          + "\nfinish('done')\n```")
+  if launch and len(targets) > 1:
+    return ("One helper per target.\n```python\nprint(await asyncio.gather(*[\n"
+            " launch_subagent({item: n}, 20) for item, n in targets.items()]))\n"
+            "finish('done')\n```")
+  return ("Craft each target from base items.\n```python\n" + _SOLVER + "\n"
+          "for item, n in targets.items():\n  make(item, n)\nfinish('done')\n```")
+
+
+def can_launch(prompt_text: str) -> bool:
+  """Whether the node's prompt offers helpers (its tool docs document `launch_subagent`; at the
+  depth limit and in single-agent mode they do not)."""
+  return ("await launch_subagent(" in prompt_text
+          and "you cannot launch helpers" not in prompt_text)
 
 
 def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> str:
@@ -360,8 +371,7 @@ def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> 
     return ("The crafting cell did not complete.\n```python\n"
             f"finish(\"Failed to craft {_summary(targets)}.\")\n```")
   known = _knowledge(prompt_text)
-  can_launch = ("await launch_subagent(" in prompt_text
-                and "(you cannot launch helpers)" not in prompt_text)
+  launch = can_launch(prompt_text)
   missing = [t for t in targets if t not in known]
   if missing:
     return "Look up my targets.\n```python\n" + _info_cell(missing) + "\n```"
@@ -370,7 +380,7 @@ def textcraft_turn(prompt_text: str, cfg: ScriptedConfig = ScriptedConfig()) -> 
   # A delegating node looks up its targets, then their ingredients (so it neither delegates
   # base materials nor misjudges budgets), then delegates; a node that started to work alone
   # keeps going alone.
-  if can_launch and depth >= cfg.delegate_min_depth and turns_taken <= 2:
+  if launch and depth >= cfg.delegate_min_depth and turns_taken <= 2:
     pending = sorted({x for t in targets for x in _lookups(known[t], known)})
     ings = sorted({i for t in targets for i in ((_recipe(known[t], known) or ({}, 1))[0])})
     if pending or any(i not in known for i in ings):

@@ -27,6 +27,8 @@ import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 from rao_jax.envs import base
+# Re-exported: a node's targets and the scope of a helper's task are TextCraft's own notions.
+from rao_jax.envs.textcraft_scope import recipe_closure, subtask_scope, task_targets  # noqa: F401
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data", "textcraft")
 TAG_PREFIX = "tag:"
@@ -132,6 +134,10 @@ class RecipeBook:
     name = tag[len(TAG_PREFIX):] if tag.startswith(TAG_PREFIX) else tag
     return self.tags.get(name, ())
 
+  def concrete(self, ingredient: str) -> tuple[str, ...]:
+    """The concrete items that can fill a recipe slot: a tag's members, or the item itself."""
+    return self.tag_members(ingredient) if ingredient.startswith(TAG_PREFIX) else (ingredient,)
+
   def can_craft(self, item: str) -> bool:
     return item in self.recipes
 
@@ -221,19 +227,23 @@ class TextCraftEpisode(base.Episode):
     with self.lock:
       self.tool_calls[node_id][tool] += 1
 
-  def craft(self, ingredients: Any, target: Any, node_id: str = "0") -> str:
+  def craft(self, ingredients: Any, target: Any, node_id: str = "0",
+            can_launch: bool = True) -> str:
     """Consumes `ingredients` and produces `target = (item, total_count)`; see tool docs.
 
     With a craft budget every call spends one unit of `node_id`'s budget, whatever it returns
-    (as every observation fills a window); a call past the budget changes nothing.
+    (as every observation fills a window); a call past the budget changes nothing, and its
+    message points to helpers only when `can_launch`.
     """
     with self.lock:   # check and spend atomically: concurrent calls of one node cannot both pass
       calls = self.tool_calls[node_id]
       if self.craft_budget and calls["craft"] >= self.craft_budget:
         calls["craft_refused"] += 1
+        # Helpers are pointed to only where this agent may launch them (not at the depth limit).
+        helpers = (f" Helpers (launch_subagent) each have their own {self.craft_budget}."
+                   if can_launch else "")
         return (f"Error: craft budget spent: this agent has used all {self.craft_budget} of its "
-                "craft calls; nothing was crafted and nothing changed. Helpers "
-                f"(launch_subagent, where available) each have their own {self.craft_budget}.")
+                f"craft calls; nothing was crafted and nothing changed.{helpers}")
       calls["craft"] += 1
       left = self.craft_budget - calls["craft"] if self.craft_budget else None
     msg = self._craft(ingredients, target, node_id)
@@ -373,6 +383,7 @@ class TextCraftEpisode(base.Episode):
 
 # Terse on purpose: the docs are in every node's prompt (see agent/prompts.py).
 _TOOL_DOCS = """\
+Your targets are the REPL variable `targets` (dict item -> count): use it, never retype them.
 Tools (on the shared inventory):
 - craft(ingredients: dict, target: tuple[str, int]) -> str
     e.g. craft({"oak_planks": 2}, ("stick", 4)). The count is a multiple of the recipe's
@@ -387,8 +398,9 @@ Tools (on the shared inventory):
 
 _SUBAGENT_DOCS = """\
 - await launch_subagent(targets: dict[str, int], num_steps: int, context: str = "") -> str
-    A helper crafts `targets` into the shared inventory with `num_steps` steps of your
-    budget; returns its finish message. `context` passes what you know (recipes).
+    A helper crafts `targets` (a part of yours, e.g. {item: n} for item, n in
+    targets.items()) into the shared inventory with `num_steps` steps of your budget; says
+    whether it finished and crafted them, and its message. `context` passes what you know.
 """
 
 
@@ -457,12 +469,12 @@ class TextCraftEnv(base.Environment):
   def node_tools(self, episode: base.Episode, node: base.NodeInfo) -> dict[str, base.Tool]:
     ep = episode
     assert isinstance(ep, TextCraftEpisode)
-    nid = node.node_id
+    nid, can_launch = node.node_id, node.can_launch
 
     # Closures over this node's id: the budget and the counts are per agent, on the host side,
     # so nothing the agent's code does in its REPL can reset or share them.
     def craft(ingredients, target):
-      return ep.craft(ingredients, target, node_id=nid)
+      return ep.craft(ingredients, target, node_id=nid, can_launch=can_launch)
 
     def get_info(items):
       ep.count_call(nid, "get_info")
@@ -475,8 +487,13 @@ class TextCraftEnv(base.Environment):
     return {"craft": craft, "get_info": get_info, "view_inventory": view_inventory}
 
   def node_variables(self, episode: base.Episode, node: base.NodeInfo) -> dict[str, Any]:
+    # The node's own targets, so a program iterates over them instead of retyping them: agents
+    # after RL wrote goals with invented or repeated items when they copied targets by hand.
     # The budget as a number a program can use (it is also stated in the tool docs).
-    return {"craft_budget": self.craft_budget_per_agent} if self.craft_budget_per_agent else {}
+    out: dict[str, Any] = {"targets": task_targets(node.fields)}
+    if self.craft_budget_per_agent:
+      out["craft_budget"] = self.craft_budget_per_agent
+    return out
 
   def child_spec(self, episode, parent, args, kwargs) -> base.ChildSpec:
     names = ("targets", "num_steps", "context")
@@ -510,9 +527,27 @@ class TextCraftEnv(base.Environment):
                           num_steps=num_steps)
 
   def format_child_result(self, episode, spec, outcome) -> str:
-    msg = outcome.final_message if outcome.finished else (
-        f"Subagent stopped without finishing ({outcome.end_reason}).")
-    return f"{msg} (subagent used {outcome.subtree_steps_used} of {outcome.node.max_steps} steps)"
+    # Said plainly, first: whether the helper finished and whether its subtree crafted its
+    # targets (checked now, as verify_subtask does); its own message could claim "done" either
+    # way. The parent could read the same from the inventory, so nothing hidden is revealed.
+    ep = episode
+    assert isinstance(ep, TextCraftEpisode)
+    targets = task_targets(outcome.node.fields)
+    made = ep.crafted_by_subtree(outcome.node.node_id)
+    missing = {k: v - made.get(k, 0) for k, v in targets.items() if made.get(k, 0) < v}
+    crafted = ("it crafted its targets" if not missing
+               else f"its targets were NOT crafted (missing {_fmt_counts(missing)})")
+    used = f"(used {outcome.subtree_steps_used} of {outcome.node.max_steps} steps)"
+    if outcome.finished:
+      return f"Subagent finished; {crafted} {used}. Its message: {outcome.final_message}"
+    return f"Subagent did NOT finish ({outcome.end_reason}); {crafted} {used}."
+
+  def subtask_scope(self, episode, parent, spec) -> dict[str, bool] | None:
+    targets = task_targets(spec.fields)
+    if not targets:
+      return None
+    return subtask_scope(self.book, task_targets(episode.task.fields),
+                         task_targets(parent.fields), targets)
 
   def verify_root(self, episode, outcome) -> float | None:
     ep = episode
@@ -528,7 +563,7 @@ class TextCraftEnv(base.Environment):
     ep = episode
     assert isinstance(ep, TextCraftEpisode)
     targets = outcome.node.fields.get("targets")
-    if not isinstance(targets, dict) or not targets:
+    if not isinstance(targets, Mapping) or not targets:
       return None
     made = ep.crafted_by_subtree(outcome.node.node_id)
     ok = all(made.get(k, 0) >= v for k, v in targets.items())
