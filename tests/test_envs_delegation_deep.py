@@ -1,4 +1,5 @@
-"""The deep delegation micro-environment: verifier, splits, budgets and its scripted caps."""
+"""The deep delegation micro-environment: verifier, splits, budgets, its scripted caps, and the
+scope of a helper's task (shared with the delegation environment)."""
 import re
 
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 
 from experiments.configs import delegation_deep as cfg_lib
 from rao_jax.envs import base
+from rao_jax.envs import delegation
 from rao_jax.envs import delegation_deep as D
 
 
@@ -155,3 +157,25 @@ def test_config_builds_translates_and_its_buckets_hold_the_largest_step():
   assert X.make_env(c).cfg.seed == 3
   assert cfg_lib.get_config("single").agent.mode == "single"
   trainer._validate(X.rl_config(c), num_processes=1)  # pylint: disable=protected-access
+
+
+_IN = {"outside_root": False, "outside_parent": False}
+
+
+@pytest.mark.parametrize("env_cls", [delegation.DelegationEnv, D.DeepDelegationEnv])
+def test_digit_envs_scope_is_a_contiguous_run(env_cls):
+  env = env_cls()
+  task = base.Task("t", env.name, "Finish with 3 then 1 then 2 then 0.",
+                   {"digits": ["3", "1", "2", "0"], "answer": "3120"})
+  root = base.NodeInfo("0", None, 0, task.goal, task.fields, 30)
+  half = base.NodeInfo("0.1", "0", 1, "Finish with 3 then 1.", {"digits": ["3", "1"]}, 10)
+  cases = [(root, "Finish with 1.", _IN), (half, "Finish with 3.", _IN),
+           (half, "Finish with 2.", {"outside_root": False, "outside_parent": True}),
+           (root, "Finish with 7.", {"outside_root": True, "outside_parent": True})]
+  if env_cls is D.DeepDelegationEnv:   # whole-goal echoes and runs of several
+    cases += [(root, task.goal, _IN), (root, "Finish with 1 then 2.", _IN),
+              (root, "Finish with 3 then 2.", {"outside_root": True, "outside_parent": True})]
+  for parent, goal, want in cases:
+    ep = env.new_episode(task)   # deep delegation counts helpers per agent
+    spec = env.child_spec(ep, parent, (goal,), {})
+    assert env.subtask_scope(ep, parent, spec) == want, (parent.node_id, goal)

@@ -56,6 +56,28 @@ def part_goal(digit: str) -> str:
   return _PART_GOAL.format(digit=digit)
 
 
+def digits_scope(root_digits: Sequence[str], parent_digits: Sequence[str],
+                 child_digits: Sequence[str]) -> dict[str, bool]:
+  """Whether a helper's items lie outside its root's and its parent's task.
+
+  A helper's task is part of a task when its digits are a contiguous run of that task's
+  digits (a half, one part, or the whole task): the answers join in order, so nothing else
+  contributes to the task's answer.
+  """
+  def part_of(task: Sequence[str]) -> bool:
+    c, t = list(child_digits), list(task)
+    return any(t[i:i + len(c)] == c for i in range(len(t) - len(c) + 1))
+
+  return {"outside_root": not part_of(root_digits), "outside_parent": not part_of(parent_digits)}
+
+
+def node_digits(fields) -> list[str]:
+  """A node's digits from its task fields (a task's `digits`, a part's single `answer`)."""
+  if "digits" in fields:
+    return [str(d) for d in fields["digits"]]
+  return [str(fields["answer"])] if fields.get("answer") is not None else []
+
+
 def parts_right(answer: str, digits: Sequence[str]) -> float:
   """The share of parts an answer gets right, position by position (1/k per digit)."""
   return sum(a == d for a, d in zip(answer, digits)) / len(digits)
@@ -157,8 +179,15 @@ class DelegationEnv(base.Environment):
 
   def format_child_result(self, episode: base.Episode, spec: base.ChildSpec,
                           outcome: base.NodeOutcome) -> str:
-    # The helper's answer alone, so that the parent's join is the task's answer.
+    # The helper's answer alone, so that the parent's join is the task's answer. A failed
+    # helper's "" stays: the parent's one one-token turn has already been spent on the join,
+    # so a failure note could not be acted on, and either way the joined answer is wrong.
     return outcome.final_message if outcome.finished else ""
+
+  def subtask_scope(self, episode: base.Episode, parent: base.NodeInfo,
+                    spec: base.ChildSpec) -> dict[str, bool]:
+    return digits_scope(node_digits(episode.task.fields), node_digits(parent.fields),
+                        node_digits(spec.fields))
 
   def verify_root(self, episode: base.Episode, outcome: base.NodeOutcome) -> float:
     answer = str(episode.task.fields["answer"])

@@ -196,8 +196,15 @@ class DeepDelegationEnv(base.Environment):
 
   def format_child_result(self, episode: base.Episode, spec: base.ChildSpec,
                           outcome: base.NodeOutcome) -> str:
-    # The helper's answer alone, so that the parent's join is its items' answer.
+    # The helper's answer alone, so that the parent's join is its items' answer ("" for a
+    # failed helper: the parent's one-token turn cannot act on a note; see delegation.py).
     return outcome.final_message if outcome.finished else ""
+
+  def subtask_scope(self, episode: base.Episode, parent: base.NodeInfo,
+                    spec: base.ChildSpec) -> dict[str, bool]:
+    return delegation.digits_scope(delegation.node_digits(episode.task.fields),
+                                   delegation.node_digits(parent.fields),
+                                   delegation.node_digits(spec.fields))
 
   def verify_root(self, episode: base.Episode, outcome: base.NodeOutcome) -> float:
     answer = str(episode.task.fields["answer"])
