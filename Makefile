@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast sysdeps bench clean-venv
+.PHONY: demo test test-fast docs docs-check sysdeps bench clean-venv
 
 $(STAMP): setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,16 @@ test: $(STAMP) sysdeps
 # For iteration: the tests under ~10 s each (neither `slow` nor `long`).
 test-fast: $(STAMP) sysdeps
 	$(BIN)/python -m pytest tests -q -ra --timeout=900 -m "not slow and not long"
+
+# The generated parts of the docs (config and API reference, results tables from
+# benchmarks/results/*.json); run after changing any of those sources, and commit the pages.
+docs: $(STAMP)
+	$(BIN)/python docs/gen_docs.py
+
+# Seconds: generated parts current, links resolve, the configs commands name load. CI runs it
+# first so a stale page fails before the 20-minute suite starts.
+docs-check: $(STAMP)
+	$(BIN)/python -m pytest tests/test_docs.py -q
 
 demo: $(STAMP) sysdeps
 	$(BIN)/python -m experiments.demo

@@ -1,0 +1,826 @@
+"""Writes the generated parts of the documentation from the code and the committed results.
+
+  python docs/gen_docs.py           # rewrite docs/config.md, docs/api.md and every generated block
+  python docs/gen_docs.py --check   # exit 1, naming the stale files, if anything would change
+
+Generated, so that a page cannot drift from what it describes:
+- `docs/config.md`: every field of `experiments/configs/base.py:base_config()` with its default,
+  its valid values and the comment beside it in the source, the embedded engine's fields
+  (`EngineConfig`'s docstring) and the shipped experiment configs.
+- `docs/api.md`: the public entry points' signatures and docstrings, read with `ast` (no import
+  of JAX, so it runs in a second).
+- blocks between `<!-- gen:NAME -->` and `<!-- /gen:NAME -->` in any Markdown page: tables and
+  sentences whose figures come from `benchmarks/results/*.json` (a rerun rewrites its JSON; this
+  script then rewrites the pages that quote it).
+
+Success rates of n tasks are shown as k/n with a Wilson 95% interval, which stays inside [0, 1]
+however small n is (the normal approximation gives [-0.48, 1.48] on two tasks).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+BASE_CONFIG = os.path.join(ROOT, "experiments", "configs", "base.py")
+ENGINE_CONFIG = os.path.join(ROOT, "rao_jax", "rollout", "engine", "config.py")
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+  """Wilson score 95% interval of k successes in n trials; inside [0, 1] for every k and n."""
+  if n <= 0:
+    raise ValueError(f"wilson: n={n}; an interval needs at least one trial.")
+  p = k / n
+  den = 1 + z * z / n
+  mid = (p + z * z / (2 * n)) / den
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+  return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def count(rate: float, n: int) -> int:
+  """The number of successes behind a success rate of n tasks (the JSONs store rates)."""
+  k = round(rate * n)
+  if abs(k - rate * n) > 1e-6:
+    raise ValueError(f"a rate of {rate} over {n} tasks is not a whole number of tasks.")
+  return k
+
+
+def frac(rate: float, n: int) -> str:
+  """'k/n [lo, hi]' with the Wilson interval."""
+  k = count(rate, n)
+  lo, hi = wilson(k, n)
+  return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
+
+
+def signed(x: float) -> str:
+  return f"{x:+.2f}"
+
+
+def delta_ci(d: dict) -> str:
+  """'+0.34 [0.23, 0.46]' from {"delta", "ci95"}."""
+  lo, hi = d["ci95"]
+  return f"{signed(d['delta'])} [{lo:.2f}, {hi:.2f}]"
+
+
+def rel(path: str, page: str) -> str:
+  """A link target for `path` (repository-relative) from the page at `page`."""
+  return os.path.relpath(os.path.join(ROOT, path), os.path.dirname(os.path.join(ROOT, page)))
+
+
+def load_json(name: str) -> dict | None:
+  """A result file under benchmarks/results/; of a JSON-lines file (a benchmark appends one
+  line a run), its last run. None when the file is not there."""
+  path = os.path.join(RESULTS, name)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return json.loads([ln for ln in text.splitlines() if ln.strip()][-1])
+
+
+# ------------------------------------------------------------------------ recursion results
+
+RECURSION_CMD = "python -m experiments.recursion_evidence --scale=cpu_lora --workdir=runs/recursion"
+
+
+def recursion_runs() -> list[dict]:
+  """The completed single-seed recursion runs (the paper's baseline), seed 0 first."""
+  runs = []
+  for name in sorted(glob.glob(os.path.join(RESULTS, "recursion_evidence*.json"))):
+    d = load_json(os.path.basename(name))
+    if not d or "modes" not in d or not d.get("complete"):
+      continue
+    runs.append({"file": os.path.relpath(name, ROOT),
+                 "seed": d["settings"].get("rl_seed", 0), "data": d})
+  return sorted(runs, key=lambda r: r["seed"])
+
+
+def seeds_summary(seeds: dict) -> str:
+  """One sentence over `recursion_seeds.json` (the five-seed replication)."""
+  rows = seeds.get("seeds", [])
+  a = seeds.get("across_seeds")
+  text = f"{len(rows)} RL seed{'s' if len(rows) != 1 else ''} of the fixed recipe"
+  if a:
+    lo, hi = a["ci95"]
+    text += (f": mean paired effect {signed(a['mean_delta'])} [{lo:.2f}, {hi:.2f}] "
+             f"(IQM {signed(a['iqm_delta'])}), {a['improved']} of {len(rows)} seeds improved, "
+             f"{a['worse_significant']} significantly worse")
+  return text
+
+
+def gen_recursion_headline(page: str) -> str:
+  """The results' first line (README, results pages): the seeds, whatever they show."""
+  runs = recursion_runs()
+  parts = []
+  for r in runs:
+    m = r["data"]["modes"]["recursive"]
+    parts.append(f"seed {r['seed']}: {count(m['before'], m['n'])}/{m['n']} -> "
+                 f"{count(m['after'], m['n'])}/{m['n']}")
+  seeds = load_json("recursion_seeds.json")
+  page_link = rel("docs/results/recursion.md", page)
+  details = "" if page == "docs/results/recursion.md" else f" ([details]({page_link}))"
+  task = ("RAO on a recursion task one agent cannot finish (SmolLM2-135M, held-out "
+          "TextCraft-Synth tasks)")
+  first = "With the paper's baseline, " + ", ".join(parts) + " from the same warm start."
+  a = (seeds or {}).get("across_seeds")
+  if seeds and seeds.get("seeds"):
+    rows = seeds["seeds"]
+    if a and len(rows) >= 5:
+      cleared = a["ci95"][0] > 0 and a["improved"] >= 4 and a["worse_significant"] == 0
+      verdict = ("improves held-out success over five RL seeds" if cleared else
+                 "does not clear its bar over five RL seeds")
+    else:
+      verdict = f"is being replicated ({len(rows)} of 5 RL seeds in)"
+    return (f"**{task} {verdict}.** With the corrected credit assignment: "
+            f"{seeds_summary(seeds)}. {first}{details}")
+  return (f"**{task} is not settled yet.** {first} The credit assignment is being fixed (a "
+          "baseline on the reward's scale, no update from groups without signal) and five "
+          f"seeds are being rerun; until they land, read no gain into it{details}.")
+
+
+def gen_recursion_runs(page: str) -> str:
+  """Per-run table of the recursion experiment's completed seeds."""
+  out = ["| RL seed | warm start | after RL | paired effect | better / worse | delegating "
+         "trees | vs. single agent | file |",
+         "|---|---|---|---|---|---|---|---|"]
+  for r in recursion_runs():
+    m = r["data"]["modes"]["recursive"]
+    n = m["n"]
+    share = m["delegating_share"]
+    p = m["paired"]
+    out.append(f"| {r['seed']} | {frac(m['before'], n)} | {frac(m['after'], n)} | "
+               f"{delta_ci(p)} | {p['improved']} / {p['worsened']} | "
+               f"{count(share['before'], n)} -> {count(share['after'], n)} | "
+               f"{delta_ci(r['data']['vs_single'])} | "
+               f"[{os.path.basename(r['file'])}]({rel(r['file'], page)}) |")
+  single = recursion_runs()[0]["data"]["modes"]["single"] if recursion_runs() else None
+  if single:
+    out.append("")
+    out.append(f"The single agent at the same budget, after its own RL: "
+               f"{frac(single['after'], single['n'])}.")
+  return "\n".join(out)
+
+
+def gen_recursion_seeds(page: str) -> str:
+  """The five-seed replication's table, or what is missing."""
+  seeds = load_json("recursion_seeds.json")
+  if not seeds or not seeds.get("seeds"):
+    return ("No seed of the corrected method has finished yet: this table fills from "
+            "`benchmarks/results/recursion_seeds.json` when the first one lands.")
+  out = ["| RL seed | warm start | after RL | paired effect | delegating trees | vs. single "
+         "agent | minutes |", "|---|---|---|---|---|---|---|"]
+  for s in seeds["seeds"]:
+    n = s["paired"]["n"]
+    share = s["delegating_share"]
+    out.append(f"| {s['rl_seed']} | {frac(s['before'], n)} | {frac(s['after'], n)} | "
+               f"{delta_ci(s['paired'])} | {count(share['before'], n)} -> "
+               f"{count(share['after'], n)} | {delta_ci(s['vs_single'])} | "
+               f"{s['minutes']:.0f} |")
+  out += ["", seeds_summary(seeds) + "."]
+  return "\n".join(out)
+
+
+def gen_recursion_readings(page: str) -> str:
+  """The further held-out readings (another world, hard tasks) of each run."""
+  out = ["| RL seed | reading | tasks | warm start | after RL | paired effect |",
+         "|---|---|---|---|---|---|"]
+  for r in recursion_runs():
+    for name, rd in sorted(r["data"].get("readings", {}).items()):
+      n = rd["tasks"]
+      after = frac(rd["after"], n) if rd.get("after") is not None else "not run"
+      paired = delta_ci(rd["paired"]) if rd.get("paired") else ""
+      out.append(f"| {r['seed']} | {name.replace('_', ' ')} | {n} | {frac(rd['before'], n)} | "
+                 f"{after} | {paired} |")
+  return "\n".join(out)
+
+
+def gen_recursion_setup(page: str) -> str:
+  """The recipe of the completed runs and the scripted caps the results are read against."""
+  runs = recursion_runs()
+  if not runs:
+    return "No completed recursion run is committed yet."
+  st, caps = runs[0]["data"]["settings"], runs[0]["data"]["caps_success"]
+  return (f"TextCraft-Synth {st['eval_diff']} tasks with a budget of {st['budget']} `craft` calls "
+          f"per agent and a recursion depth limit of {st['max_depth']}. On {caps['tasks']} "
+          f"held-out tasks the scripted recursive policy solves "
+          f"{count(caps['recursive_program'], caps['tasks'])}, the best single agent "
+          f"{count(caps['single_agent_upper_bound'], caps['tasks'])} (the tasks whose whole "
+          f"recipe tree fits one budget). SmolLM2-135M-Instruct is warm-started for "
+          f"{st['sft_steps']} supervised steps on scripted trees, then trained for "
+          f"{st['rl_steps']} RL steps of {st['tasks_per_step']} tasks x {st['group']} trees "
+          f"(a rank-{st['lora_rank']} LoRA adapter at lr {st['lr']:g}, temperature "
+          f"{st['rl_temperature']}"
+          + (f", lambda {st['lam']}" if "lam" in st else "")
+          + (f", train tasks weighted `{st['task_weights']}`" if st.get("task_weights") else "")
+          + "), and "
+          f"evaluated greedy on the same {st['eval_tasks']} held-out tasks before and after, "
+          f"in a {st['ctx']}-token window per agent.")
+
+
+def gen_recursion_training(page: str) -> str:
+  """Per RL step of each run: sampled success, and the share of groups with no signal."""
+  out = ["| RL seed | sampled success per step | groups with all-equal rewards per step |",
+         "|---|---|---|"]
+  for r in recursion_runs():
+    t = r["data"]["training"]["recursive"]
+    out.append(f"| {r['seed']} | " + ", ".join(f"{x:.2f}" for x in t["success"]) + " | "
+               + ", ".join(f"{x:.2f}" for x in t["rl/groups_all_equal_frac"]) + " |")
+  return "\n".join(out)
+
+
+def gen_recursion_trees(page: str) -> str:
+  """The held-out trees' shape: agents per tree and success of the agents at each depth."""
+  out = ["| RL seed | policy | agents a tree | success by depth (agents at that depth) |",
+         "|---|---|---|---|"]
+  first = True
+  for r in recursion_runs():
+    h = r["data"]["modes"]["recursive"].get("held_out_trees", {})
+    for label, key in (("warm start", "eval_before"), ("after RL", "eval_after")):
+      if key not in h or (key == "eval_before" and not first):
+        continue
+      t = h[key]
+      depths = ", ".join(f"{d}: {v['success']:.2f} ({v['nodes']})"
+                         for d, v in sorted(t["success_by_depth"].items(), key=lambda kv: int(kv[0])))
+      seed = "-" if key == "eval_before" else str(r["seed"])
+      out.append(f"| {seed} | {label} | {t['nodes_mean']:.1f} | {depths} |")
+    first = False
+  return "\n".join(out)
+
+
+# ------------------------------------------------------------------------- ablation results
+
+
+def gen_ablation_main(page: str) -> str:
+  """Full RAO against the lr=0 control on both micro-tasks, from both runs."""
+  out = ["| run | task | seeds | RAO success | lr=0 control | RAO delegating | control "
+         "delegating |", "|---|---|---|---|---|---|---|"]
+  for label, name in (("first", "rao_ablations.json"), ("rerun", "rao_ablations_rerun.json")):
+    d = load_json(name)
+    if not d:
+      continue
+    for task, t in sorted(d["tasks"].items()):
+      rao, ctl = t["variants"]["rao"], t["variants"]["control"]
+      cell = lambda v, key: "{:.2f} [{:.2f}, {:.2f}]".format(v[key]["mean"], *v[key]["ci95"])
+      out.append(f"| {label} | {task.replace('_', '-')} | {len(rao['seeds'])} | "
+                 f"{cell(rao, 'success')} | {cell(ctl, 'success')} | "
+                 f"{cell(rao, 'delegating')} | {cell(ctl, 'delegating')} |")
+  return "\n".join(out)
+
+
+def gen_ablation_claims(page: str) -> str:
+  """Each ablation's claim, its source, and the verdict of each run (paired by seed)."""
+  runs = [(label, load_json(name)) for label, name in
+          (("first", "rao_ablations.json"), ("rerun", "rao_ablations_rerun.json"))]
+  runs = [(label, d) for label, d in runs if d]
+  out = ["| task | variant | claim (source) | " + " | ".join(
+      f"{label}: effect vs. RAO, verdict" for label, _ in runs) + " |",
+         "|---|---|---|" + "---|" * len(runs)]
+  first = runs[0][1]
+  for task, t in sorted(first["tasks"].items()):
+    for variant, c in t["claims"].items():
+      for metric in c["metrics"]:
+        cells = []
+        for _, d in runs:
+          m = d["tasks"].get(task, {}).get("claims", {}).get(variant, {}).get("metrics", {})
+          m = m.get(metric)
+          cells.append(f"{metric} {delta_ci(m)}, {m['verdict']}" if m else "not run")
+        out.append(f"| {task.replace('_', '-')} | {variant} | {c['claim']} ({c['source']}) | "
+                   + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
+# ------------------------------------------------------------------- README's results table
+
+
+def gen_results_table(page: str) -> str:
+  """One row per claim: the figure, the command, the page."""
+  rows = []
+  runs = recursion_runs()
+  if runs:
+    figs = []
+    for r in runs:
+      m = r["data"]["modes"]["recursive"]
+      figs.append(f"seed {r['seed']}: {count(m['before'], m['n'])}/{m['n']} -> "
+                  f"{count(m['after'], m['n'])}/{m['n']}")
+    rows.append(("RL improves a recursive SmolLM2-135M where one agent cannot finish",
+                 "; ".join(figs) + " (not settled)", f"`{RECURSION_CMD}`",
+                 "docs/results/recursion.md"))
+  abl = load_json("rao_ablations.json")
+  if abl:
+    rao = abl["tasks"]["two_digit"]["variants"]
+    rows.append(("RAO teaches delegation where one agent cannot answer",
+                 "success {:.2f} vs. {:.2f} (lr=0), delegating {:.2f} vs. {:.2f}".format(
+                     rao["rao"]["success"]["mean"], rao["control"]["success"]["mean"],
+                     rao["rao"]["delegating"]["mean"], rao["control"]["delegating"]["mean"]),
+                 "`python benchmarks/bench_rao_ablations.py`", "docs/results/ablations.md"))
+    deep = abl["tasks"]["deep"]["vs_rao"]
+    rows.append(("Dense per-node rewards and per-node advantages beat coarser credit",
+                 "root-only rewards {}, per-tree advantages {} (success, deep task)".format(
+                     signed(deep["root_reward"]["success"]["delta"]),
+                     signed(deep["tree_advantage"]["success"]["delta"])),
+                 "`python benchmarks/bench_rao_ablations.py`", "docs/results/ablations.md"))
+  model = load_json("bench_model.json")
+  learner = load_json("bench_learner.json")
+  if model and learner:
+    rows.append(("Training speed on CPU against transformers on PyTorch",
+                 f"forward + backward {model['ratio']:.2f}x, RAO learner step "
+                 f"{learner['ratio']:.2f}x",
+                 "`python benchmarks/bench_model.py`", "docs/benchmarks.md"))
+  out = ["| claim | figure | reproduce | page |", "|---|---|---|---|"]
+  for claim, fig, cmd, target in rows:
+    out.append(f"| {claim} | {fig} | {cmd} | [page]({rel(target, page)}) |")
+  return "\n".join(out)
+
+
+def gen_speed_table(page: str) -> str:
+  """Ours against the strongest peer, and against this machine's measured peak."""
+  peak, model = load_json("bench_peak.json"), load_json("bench_model.json")
+  learner, rollout = load_json("bench_learner.json"), load_json("bench_rollout.json")
+  sandbox = load_json("bench_sandbox.json")
+  out = ["| benchmark | ours | peer (as its users run it) | ratio | ours, share of peak |",
+         "|---|---|---|---|---|"]
+  if peak:
+    out.append(f"| `bench_peak` | best float32 GEMM {peak['peak_gflops']:.1f} GFLOP/s "
+               f"({peak['peak_gemm_by']}), memory {peak['peak_gbps']:.1f} GB/s "
+               f"({peak['peak_bandwidth_by']}) | | | |")
+  if model:
+    out.append(f"| `bench_model` forward + backward, {model['batch']} x {model['seq']} | "
+               f"{model['ours_tokens_per_s']:.0f} tokens/s | transformers on PyTorch: "
+               f"{model['peer_tokens_per_s']:.0f} | **{model['ratio']:.2f}x** | "
+               f"{model['share_of_peak_gemm']:.0%} of the GEMM peak |")
+  if learner:
+    out.append(f"| `bench_learner` RAO step + AdamW, {learner['rows']} x {learner['row_len']} | "
+               f"{learner['ours_tokens_per_s']:.0f} tokens/s | PyTorch, same rows: "
+               f"{learner['peer_tokens_per_s']:.0f} | **{learner['ratio']:.2f}x** | "
+               f"{learner['share_of_peak_gemm']:.0%} |")
+  if rollout:
+    bs = (1, 8, 32)
+    out.append("| `bench_rollout` decode, batch " + " / ".join(map(str, bs)) + " | "
+               + " / ".join(f"{rollout[f'embedded_tok_s_b{b}']:.0f}" for b in bs)
+               + " tokens/s | `generate()`: "
+               + " / ".join(f"{rollout[f'torch_tok_s_b{b}']:.0f}" for b in bs) + " | **"
+               + " / ".join(f"{rollout[f'ratio_b{b}']:.2f}" for b in bs) + "x** | bandwidth "
+               + " / ".join(f"{rollout[f'share_of_peak_bandwidth_b{b}']:.0%}" for b in bs) + " |")
+  if sandbox:
+    out.append(f"| `bench_sandbox` cold spawn / cell round trip (p50) | "
+               f"{sandbox['spawn_ms_p50']:.1f} / {sandbox['exec_ms_p50']:.2f} ms | no jail "
+               f"(`isolation=\"process\"`): {sandbox['peer_process_spawn_ms_p50']:.1f} / "
+               f"{sandbox['peer_process_exec_ms_p50']:.2f} ms | "
+               f"{sandbox['spawn_vs_process_mode']:.2f} / {sandbox['exec_vs_process_mode']:.2f} "
+               f"(time) | |")
+  cpu = (model or {}).get("cpu", "the CPU named in each JSON")
+  out += ["", f"Measured on a 2-core {cpu}, the peer in the same run in alternating rounds; "
+          "each file under `benchmarks/results/` keeps the CPU and the load average it ran at."]
+  return "\n".join(out)
+
+
+def gen_memory_plan(page: str) -> str:
+  """The train step's memory per device at real sizes, full fine-tuning beside LoRA."""
+  d = load_json("bench_memory_plan.json")
+  if not d:
+    return "`benchmarks/results/bench_memory_plan.json` is missing: run `benchmarks/bench_memory_plan.py`."
+  chips = list(d["chips_gb"])
+  lora = {(r["model"], r["T"], r["remat"]): r for r in d["rows"] if r["lora_rank"]}
+  mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items())
+  out = [f"GB per device on a {mesh} mesh, one row of T tokens per device, {d['dtype']}; "
+         f"fits = within {d['headroom']:.0%} of the chip ("
+         + ", ".join(f"{c} {g:.0f} GB" for c, g in d["chips_gb"].items()) + ").", "",
+         "| model | T | remat | params + moments | grads | activations | total | LoRA total | "
+         + " | ".join(f"fits {c}" for c in chips) + " |",
+         "|---|---|---|---|---|---|---|---|" + "---|" * len(chips)]
+  for r in d["rows"]:
+    if r["lora_rank"]:
+      continue
+    twin = lora.get((r["model"], r["T"], r["remat"]))
+    out.append(f"| {r['model']} ({r['params_b']:.2f} B) | {r['T']} | {r['remat']} | "
+               f"{r['params_gb'] + r['optimizer_gb']:.1f} | {r['gradients_gb']:.1f} | "
+               f"{r['activations_gb']:.1f} | {r['total_gb']:.1f} | "
+               f"{twin['total_gb']:.1f} | " if twin else "| | ")
+    out[-1] += " | ".join("yes" if r[f"fits_{c}"] else "no" for c in chips) + " |"
+  return "\n".join(out)
+
+
+def gen_bench_list(page: str) -> str:
+  """Every benchmark: what it measures (its docstring's first sentence) and its result file."""
+  out = ["| benchmark | what it measures | result |", "|---|---|---|"]
+  for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "bench_*.py"))):
+    doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    first = re.split(r"(?<=[.?])\s", first, maxsplit=1)[0]
+    first = first if first.endswith((".", "?")) else first + "."
+    name = os.path.basename(path)[:-3]
+    results = sorted(os.path.relpath(r, ROOT) for r in
+                     glob.glob(os.path.join(RESULTS, name + ".*"))
+                     + glob.glob(os.path.join(RESULTS, name[len("bench_"):] + ".*")))
+    links = ", ".join(f"[{os.path.basename(r)}]({rel(r, page)})" for r in results) or "(not kept)"
+    out.append(f"| [{name}]({rel(os.path.relpath(path, ROOT), page)}) | {_md_cell(first)} | "
+               f"{links} |")
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------- config reference
+
+
+@dataclasses.dataclass
+class Field:
+  path: str
+  default: Any
+  comment: str
+
+
+# Fields whose line in base.py carries no comment; the source's comment wins once it has one.
+FALLBACK_MEANING = {
+    "model.lora.rank": "adapter rank; 0 = full fine-tuning",
+    "model.lora.targets": "projections that get an adapter, any of q,k,v,o,gate,up,down",
+    "model.lora.dropout": "dropout on the adapter's input (training only)",
+    "agent.top_p": "nucleus sampling of rollouts (1.0 = off)",
+    "optim.weight_decay": "AdamW decoupled weight decay",
+    "optim.b1": "AdamW first-moment decay",
+    "optim.b2": "AdamW second-moment decay",
+    "log.tensorboard": "also write TensorBoard event files beside metrics.jsonl",
+    "sft.lr": "peak learning rate of the supervised warm start",
+}
+
+
+def _source_comments(path: str) -> dict[str, str]:
+  """The comment of each `c.a.b = ...` line of base_config(): the comment block just above it
+  (a section's note) and the comment beside it with its continuation lines."""
+  text = open(path, encoding="utf-8").read()
+  fn = next(n for n in ast.parse(text).body
+            if isinstance(n, ast.FunctionDef) and n.name == "base_config")
+  # Only base_config's own lines: smoke() and env_config() assign the same fields later.
+  lines = text.splitlines()[fn.lineno:fn.end_lineno]
+  out, above = {}, []
+  i = 0
+  assign = re.compile(r"^(\s*)c\.([\w.]+)\s*=\s*(.*)$")
+  while i < len(lines):
+    line = lines[i]
+    stripped = line.strip()
+    m = assign.match(line)
+    if stripped.startswith("#"):
+      above.append(stripped.lstrip("#").strip())
+      i += 1
+      continue
+    if not m:
+      above = []
+      i += 1
+      continue
+    rest = m.group(3)
+    beside, col = "", None
+    if "#" in rest:
+      code, _, beside = rest.partition("#")
+      col = line.index("#", len(m.group(1)) + len(m.group(2)) + 2)
+    parts = [" ".join(above)] if above else []
+    if beside:
+      parts.append(beside.strip())
+    i += 1
+    # A beside-comment goes on in comment lines indented past the code; a comment line at the
+    # code's indent starts the next field's block.
+    while col is not None and i < len(lines) and lines[i].strip().startswith("#") and \
+        lines[i].index("#") > len(m.group(1)):
+      parts[-1] += " " + lines[i].strip().lstrip("#").strip()
+      i += 1
+    out[m.group(2)] = " ".join(p for p in parts if p) or FALLBACK_MEANING.get(m.group(2), "")
+    above = []
+  return out
+
+
+def _options(comment: str, default: Any) -> list[str]:
+  """The choices a comment lists as `a | b | c` (quoted or bare), if the default is one."""
+  if not isinstance(default, str) or "|" not in comment:
+    return []
+  segs = comment.split("|")
+  opts = []
+  for i, seg in enumerate(segs):
+    quoted = re.findall(r'"([\w.-]*)"', seg)
+    if i == 0:
+      text = seg.rsplit(":", 1)[-1] if not quoted else seg
+    else:
+      text = seg
+    if i > 0 and not text.strip().startswith('"'):
+      quoted = []
+    words = re.findall(r"[\w.-]+", text)
+    opt = quoted[0] if quoted else (words[0] if words else "")
+    opts.append(opt)
+  return opts if default in opts and all(opts) else []
+
+
+def _valid(default: Any, options: list[str]) -> str:
+  if options:
+    return ", ".join(f"`{o}`" for o in options)
+  if isinstance(default, bool):
+    return "`True`, `False`"
+  if isinstance(default, int):
+    return "integer"
+  if isinstance(default, float):
+    return "number"
+  if isinstance(default, tuple):
+    return "tuple"
+  if isinstance(default, str):
+    return "string"
+  return type(default).__name__
+
+
+def _md_cell(text: str) -> str:
+  return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _import_path(path: str, name: str):
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def config_fields() -> list[Field]:
+  """Every leaf of base_config() in source order, with its source comment."""
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  comments = _source_comments(BASE_CONFIG)
+  cfg = base.base_config()
+  out = []
+
+  def walk(node, prefix):
+    for key in node.keys():
+      val = node[key]
+      path = prefix + key
+      if hasattr(val, "keys") and path not in base.FREE_FORM:
+        walk(val, path + ".")
+      else:
+        out.append(Field(path, val.to_dict() if hasattr(val, "to_dict") else val,
+                         comments.get(path, "")))
+  walk(cfg, "")
+  order = list(comments)
+  return sorted(out, key=lambda f: order.index(f.path) if f.path in order else len(order))
+
+
+def engine_fields() -> list[tuple[str, str, str]]:
+  """(name, default, description) of EngineConfig, from its dataclass fields and docstring."""
+  tree = ast.parse(open(ENGINE_CONFIG, encoding="utf-8").read())
+  cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineConfig")
+  doc = ast.get_docstring(cls) or ""
+  attrs = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+  desc, cur = {}, None
+  for line in attrs.splitlines():
+    m = re.match(r"^  (\w+): (.*)$", line)
+    if m:
+      cur = m.group(1)
+      desc[cur] = m.group(2).strip()
+    elif cur and line.strip():
+      desc[cur] += " " + line.strip()
+  out = []
+  for node in cls.body:
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      default = ast.unparse(node.value) if node.value is not None else "(required)"
+      out.append((node.target.id, default, desc.get(node.target.id, "")))
+  return out
+
+
+def shipped_configs() -> list[tuple[str, str, list[str]]]:
+  """(file, first docstring line, usage lines) of each experiment config with get_config."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "configs", "*.py"))):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body):
+      continue
+    doc = ast.get_docstring(tree) or ""
+    usage = [" ".join(ln.split("#")[0].split()) for ln in doc.splitlines()
+             if ln.strip().startswith(("--config", "python"))]
+    out.append((os.path.relpath(path, ROOT), doc.splitlines()[0] if doc else "", usage))
+  return out
+
+
+def gen_config_md() -> str:
+  lines = [
+      "# Configuration reference",
+      "",
+      "<!-- Generated by docs/gen_docs.py from experiments/configs/base.py and "
+      "rao_jax/rollout/engine/config.py; edit those, then run `python docs/gen_docs.py`. -->",
+      "",
+      "A run is configured by a Python config file (an `ml_collections.ConfigDict`): "
+      "`--config=experiments/configs/textcraft_synth.py:recursive,smoke` picks a file and its "
+      "argument, and `--config.rl.group_size=8` overrides one field. Every file starts from "
+      "`base_config()`, whose fields are below; a key it does not know is refused with the "
+      "valid keys of its section. `env.kwargs`, `env.task_files` and `rollout.embedded` are "
+      "free-form.",
+      "",
+      "## Shipped configs",
+      "",
+      "| file | what | usage |",
+      "|---|---|---|",
+  ]
+  for path, what, usage in shipped_configs():
+    use = "<br>".join(f"`{u.replace(chr(96), chr(39))}`" for u in usage)
+    lines.append(f"| [{os.path.basename(path)}](../{path}) | {_md_cell(what)} | {use} |")
+  section = None
+  notes = _source_comments(BASE_CONFIG)
+  for f in config_fields():
+    top = f.path.split(".")[0] if "." in f.path else ""
+    if top != section:
+      section = top
+      lines += ["", f"## `{section}`" if section else "## Top level", ""]
+      subs = sorted({p for p in notes if p == top or (p.startswith(top + ".") and
+                     any(g.path.startswith(p + ".") for g in config_fields()))}) if top else []
+      lines += [f"`{p}`: {notes[p]}" + "\n" for p in subs if notes[p]]
+      lines += ["| field | default | valid values | meaning |", "|---|---|---|---|"]
+    opts = _options(f.comment, f.default)
+    lines.append(f"| `{f.path}` | `{f.default!r}` | {_valid(f.default, opts)} | "
+                 f"{_md_cell(f.comment)} |")
+  lines += ["", "## `rollout.embedded`: the embedded engine", "",
+            "Any field of `EngineConfig` (`rao_jax/rollout/engine/config.py`); unset fields keep "
+            "these defaults. `rollout.num_slots`, `rollout.max_cache_len` and "
+            "`rollout.share_prefix_min` above set the first three that runs change most.", "",
+            "| field | default | meaning |", "|---|---|---|"]
+  for name, default, desc in engine_fields():
+    lines.append(f"| `{name}` | `{_md_cell(default)}` | {_md_cell(desc)} |")
+  return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------- API reference
+
+# (module file, object names): the entry points a user calls from Python.
+API = [
+    ("rao_jax/trainer.py", ["train", "Trainer"]),
+    ("rao_jax/sft.py", ["run_sft"]),
+    ("rao_jax/evaluation.py", ["evaluate_checkpoint", "evaluate_model"]),
+    ("rao_jax/model/weights.py", ["load_pretrained", "export_hf"]),
+    ("rao_jax/model/peft.py", ["save_adapter", "load_adapter"]),
+    ("rao_jax/rollout/base.py", ["Engine", "SamplingParams"]),
+    ("rao_jax/rollout/engine/frontend.py", ["EmbeddedEngine"]),
+    ("rao_jax/rollout/sglang_client.py", ["SGLangEngine"]),
+]
+
+
+def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef, skip_self: bool) -> str:
+  args = fn.args
+  if skip_self and args.args and args.args[0].arg in ("self", "cls"):
+    args = ast.arguments(posonlyargs=args.posonlyargs, args=args.args[1:], vararg=args.vararg,
+                         kwonlyargs=args.kwonlyargs, kw_defaults=args.kw_defaults,
+                         kwarg=args.kwarg, defaults=args.defaults)
+  ret = f" -> {ast.unparse(fn.returns)}" if fn.returns else ""
+  return f"({ast.unparse(args)}){ret}"
+
+
+def _doc(node) -> str:
+  return textwrap.dedent(ast.get_docstring(node) or "(no docstring)").strip()
+
+
+def gen_api_md() -> str:
+  lines = ["# API reference", "",
+           "<!-- Generated by docs/gen_docs.py from the docstrings; edit the code, then run "
+           "`python docs/gen_docs.py`. -->", "",
+           "The Python entry points behind the commands. The model's contract (`Transformer`, "
+           "`token_logprobs`, the KV cache) is in [CONTRIBUTING.md](../CONTRIBUTING.md).", ""]
+  for path, names in API:
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    module = path[:-3].replace("/", ".")
+    found = {n.name: n for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for name in names:
+      if name not in found:
+        raise KeyError(f"docs/gen_docs.py API: {module}.{name} no longer exists; update API.")
+      node = found[name]
+      if isinstance(node, ast.ClassDef):
+        init = next((n for n in node.body if isinstance(n, ast.FunctionDef)
+                     and n.name == "__init__"), None)
+        sig = _signature(init, True) if init else "()"
+        lines += [f"## `{module}.{name}{sig}`", "", "```text", _doc(node), "```", ""]
+        methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and not n.name.startswith("_")]
+        if methods:
+          lines.append("| method | what |")
+          lines.append("|---|---|")
+          for mth in methods:
+            first = _doc(mth).split("\n\n")[0].replace("\n", " ")
+            pre = "async " if isinstance(mth, ast.AsyncFunctionDef) else ""
+            lines.append(f"| `{pre}{mth.name}{_md_cell(_signature(mth, True))}` | "
+                         f"{_md_cell(first)} |")
+          lines.append("")
+      else:
+        lines += [f"## `{module}.{name}{_signature(node, False)}`", "", "```text", _doc(node),
+                  "```", ""]
+  return "\n".join(lines).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------- the driver
+
+BLOCKS: dict[str, Callable[[str], str]] = {
+    "recursion_headline": gen_recursion_headline,
+    "recursion_runs": gen_recursion_runs,
+    "recursion_seeds": gen_recursion_seeds,
+    "recursion_readings": gen_recursion_readings,
+    "recursion_setup": gen_recursion_setup,
+    "recursion_training": gen_recursion_training,
+    "recursion_trees": gen_recursion_trees,
+    "ablation_main": gen_ablation_main,
+    "ablation_claims": gen_ablation_claims,
+    "results_table": gen_results_table,
+    "speed_table": gen_speed_table,
+    "memory_plan": gen_memory_plan,
+    "bench_list": gen_bench_list,
+}
+WHOLE_FILES: dict[str, Callable[[], str]] = {
+    "docs/config.md": gen_config_md,
+    "docs/api.md": gen_api_md,
+}
+BLOCK_RE = re.compile(r"(<!-- gen:(\w+) -->\n)(.*?)(<!-- /gen:\2 -->)", re.S)
+
+
+def markdown_pages() -> list[str]:
+  """Every documentation page, repository-relative."""
+  pages = ["README.md", "BUILD.md", "CONTRIBUTING.md"]
+  pages += sorted(os.path.relpath(p, ROOT)
+                  for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+  return [p for p in pages if os.path.exists(os.path.join(ROOT, p))]
+
+
+RUNNABLE_RE = re.compile(r"^<!-- runnable -->\n```(?:sh|bash)\n(.*?)^```", re.S | re.M)
+
+
+def runnable_blocks() -> list[tuple[str, list[str]]]:
+  """(page, commands) of every fenced block a page marks `<!-- runnable -->`; a test runs them."""
+  out = []
+  for page in markdown_pages():
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+      text = f.read()
+    for block in RUNNABLE_RE.findall(text):
+      cmds = [ln.strip() for ln in re.sub(r"\\\n\s*", " ", block).splitlines()
+              if ln.strip() and not ln.strip().startswith("#")]
+      out.append((page, cmds))
+  return out
+
+
+def render_blocks(text: str, page: str) -> str:
+  """`text` with every generated block rewritten; an unknown block name is an error."""
+  def sub(m):
+    name = m.group(2)
+    if name not in BLOCKS:
+      raise KeyError(f"{page}: unknown generated block {name!r}; known: {sorted(BLOCKS)}.")
+    return m.group(1) + BLOCKS[name](page).rstrip("\n") + "\n" + m.group(4)
+  return BLOCK_RE.sub(sub, text)
+
+
+def expected() -> dict[str, str]:
+  """Each generated page's text as it should be committed."""
+  out = {path: fn() for path, fn in WHOLE_FILES.items()}
+  for page in markdown_pages():
+    if page in out:
+      continue
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+      text = f.read()
+    new = render_blocks(text, page)
+    if new != text:
+      out[page] = new
+  return out
+
+
+def stale() -> list[str]:
+  """The pages whose committed text differs from what this script writes."""
+  bad = []
+  for page, text in expected().items():
+    path = os.path.join(ROOT, page)
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+    if old != text:
+      bad.append(page)
+  return bad
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--check", action="store_true", help="report stale pages, write nothing")
+  args = parser.parse_args()
+  if args.check:
+    bad = stale()
+    if bad:
+      print("stale generated docs: " + ", ".join(bad) + "; run `python docs/gen_docs.py`.",
+            file=sys.stderr)
+      return 1
+    print("generated docs are up to date", file=sys.stderr)
+    return 0
+  for page, text in expected().items():
+    with open(os.path.join(ROOT, page), "w", encoding="utf-8") as f:
+      f.write(text)
+    print(f"wrote {page}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

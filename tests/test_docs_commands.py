@@ -1,0 +1,40 @@
+"""Every command block a documentation page marks `<!-- runnable -->` runs as shown.
+
+The block is run the way a user pastes it: line by line in bash, stopping at the first failure,
+from a scratch directory where `experiments/` is the checkout's (so the pages' relative config
+paths resolve) and `runs/` is the scratch directory's own. Pages write these blocks with smoke
+settings (`,smoke`), so each takes minutes on a 2-core CPU: the test is marked slow.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("gen_docs",
+                                               os.path.join(ROOT, "docs", "gen_docs.py"))
+gen = importlib.util.module_from_spec(_spec)
+sys.modules["gen_docs"] = gen   # its dataclasses look their module up by name
+_spec.loader.exec_module(gen)
+
+BLOCKS = gen.runnable_blocks()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("page,cmds", BLOCKS, ids=[f"{p}#{i}" for i, (p, _) in
+                                                   enumerate(BLOCKS)])
+def test_runnable_block(page, cmds, tmp_path):
+  os.symlink(os.path.join(ROOT, "experiments"), tmp_path / "experiments")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  # `python` in a page is the one this suite runs under (the project's virtualenv).
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  for cmd in cmds:
+    proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, (
+        f"{page}: `{cmd}` exited {proc.returncode}\n--- stderr (tail) ---\n"
+        f"{proc.stderr[-4000:]}\n--- stdout (tail) ---\n{proc.stdout[-2000:]}")
