@@ -206,7 +206,11 @@ def test_sglang_sampling_options_and_refusals(srv):
   r = requests.post(srv.url + "/update_weight_version",
                     json={"new_version": "v2", "abort_all_requests": False}).json()
   assert r["success"] and r["new_version"] == "v2"
-  assert requests.get(srv.url + "/get_weight_version").json()["weight_version"] == "v2"
+  # All three routes carry it: /model_info (current SGLang, whose /get_weight_version is
+  # gone), /get_model_info, and /get_weight_version (0.5.x).
+  for path in ("/model_info", "/get_model_info", "/get_weight_version"):
+    assert requests.get(srv.url + path).json()["weight_version"] == "v2", path
+  assert requests.get(srv.url + "/model_info").json()["model_path"] == "tiny-smollm2"
   assert gen(srv, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
              )["meta_info"]["weight_version"] == "v2"
   requests.post(srv.url + "/update_weight_version", json={"new_version": "default"})

@@ -1,5 +1,7 @@
 """SGLangEngine (the client) against answers in real SGLang 0.5.6's shapes: both error shapes,
-weight_version "default", servers that ignore sampling_seed, and what the payload asks for.
+weight_version "default", servers that ignore sampling_seed, and what the payload asks for; and
+the weight version read where each SGLang era keeps it (current servers: /model_info, with
+/get_weight_version answering 404), also when a returning server is re-synced.
 
 The server here is a small aiohttp app replaying SGLang's documented answers (no SGLang on a
 CPU test machine); the client is the code under test."""
@@ -21,10 +23,16 @@ def _port():
 
 
 class FakeSGLang:
-  """Answers /generate and /get_server_info like an SGLang 0.5.6 server would."""
+  """Answers /generate and /get_server_info like an SGLang 0.5.6 server would.
 
-  def __init__(self, *, version="default", deterministic=False, refuse=None):
+  ``era`` says where the weight version is read: "0.5" (/get_weight_version only), "current"
+  (SGLang main, 2026-08: /model_info and /get_model_info carry it, /get_weight_version answers
+  404 "deprecated"), or "broken" (/model_info fails with 500)."""
+
+  def __init__(self, *, version="default", deterministic=False, refuse=None, era="0.5"):
     self.version, self.deterministic, self.refuse = version, deterministic, refuse
+    self.era = era
+    self.gets = []               # paths of every GET, in order
     self.bodies, self.info_calls = [], 0
     self.controls = []           # (path, body) of every weight-sync call, in order
     self.draining = 1            # /flush_cache answers 400 this many times (requests draining)
@@ -64,6 +72,22 @@ class FakeSGLang:
         "weight_version": self.version,
         "output_token_logprobs": [[-1.0, t, None] for t in ids]}})
 
+  async def info(self, request):
+    self.gets.append(request.path)
+    if self.era == "broken":
+      return web.Response(status=500, text="Internal Server Error")
+    if request.path == "/get_weight_version" and self.era == "current":
+      return web.json_response({"error": {"message": "Endpoint '/get_weight_version' or "
+                                          "'/weight_version' is deprecated. Please use "
+                                          "'/model_info' instead."}}, status=404)
+    if request.path == "/get_weight_version":
+      return web.json_response({"weight_version": self.version})
+    return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                              "weight_version": self.version, "model_type": "llama"})
+
+  async def health(self, request):
+    return web.Response(status=200)
+
   async def server_info(self, request):
     self.info_calls += 1
     info = {"model_path": "m", "version": "0.5.6"}
@@ -75,6 +99,11 @@ class FakeSGLang:
     app = web.Application()
     app.router.add_post("/generate", self.generate)
     app.router.add_get("/get_server_info", self.server_info)
+    app.router.add_get("/health", self.health)
+    # An 0.5.x server has only /get_weight_version (aiohttp answers 404 for the others).
+    for path in (("/get_weight_version",) if self.era == "0.5" else
+                 ("/model_info", "/get_model_info", "/get_weight_version")):
+      app.router.add_get(path, self.info)
     for path in ("/pause_generation", "/flush_cache", "/update_weights_from_disk",
                  "/continue_generation"):
       app.router.add_post(path, self.control)
@@ -170,6 +199,50 @@ def test_update_weights_exports_then_loads_from_disk(tmp_path):
       assert len(a.controls) == 5
       for c in (client, bare):
         await c.close()
+  asyncio.run(go())
+
+
+def test_weight_version_is_read_where_each_sglang_era_keeps_it(tmp_path):
+  """Current SGLang answers /get_weight_version with 404: the client reads /model_info there
+  (and /get_weight_version on an 0.5.x server), so a current server that returns after a
+  failure is re-synced to the run's weights before it serves again."""
+  folder = tmp_path / "v3"
+  folder.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    (folder / name).write_text("{}")
+
+  async def until(cond, timeout):
+    t0 = asyncio.get_running_loop().time()
+    while not cond():
+      assert asyncio.get_running_loop().time() - t0 < timeout, "timed out"
+      await asyncio.sleep(0.02)
+
+  async def go():
+    async with FakeSGLang(era="current", version="1") as new, \
+        FakeSGLang(era="0.5", version="2") as old, FakeSGLang(era="broken") as bad:
+      client = SGLangEngine([new.url, old.url, bad.url], health_interval=0.05, backoff=0.01)
+      assert await client.get_weight_versions() == {new.url: "1", old.url: "2", bad.url: None}
+      assert new.gets == ["/model_info"]
+      assert old.gets == ["/get_weight_version"]     # after two 404s from aiohttp's router
+      # A server that has the route and fails is not asked the older spellings.
+      assert bad.gets == ["/model_info"]
+      with pytest.raises(ValueError, match=r"reported no weight version \(/model_info: HTTP 500"):
+        await client._server_version(bad.url)
+
+      new.draining = old.draining = 0
+      await client.update_weights_from_disk(str(folder), 3)
+      assert await client.get_weight_versions() == {new.url: "3", old.url: "3", bad.url: None}
+      # The current server restarts with its start-up weights ("default") after a failure: it
+      # comes back re-synced to version 3 before any new request.
+      new.version, new.controls = "default", []
+      client.pool.mark_down(new.url, "connection reset (test)")
+      await until(lambda: client.pool.up[new.url], 10)
+      assert [p for p, _ in new.controls] == ["/pause_generation", "/flush_cache",
+                                             "/update_weights_from_disk", "/continue_generation"]
+      assert new.version == "3" and client.pool.stats[new.url].resyncs == 1
+      kinds = [(kind, detail) for url, kind, detail, _ in client.pool.events if url == new.url]
+      assert kinds == [("down", "connection reset (test)"), ("resynced", "3"), ("up", "")]
+      await client.close()
   asyncio.run(go())
 
 

@@ -3,8 +3,9 @@
     Engine / GenerateRequest / GenerateResult / SamplingParams / FinishReason   (base.py)
     EngineFailedError   an engine that stopped serving (repeated device failures)  (base.py)
     EmbeddedEngine   continuous-batching JAX engine in this process              (engine/)
-    SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve        (sglang_client.py,
-                     server_pool.py: failed servers are skipped until re-synced)
+    SGLangEngine     SGLang-native HTTP servers, or rao_jax.rollout.serve        (sglang_client.py;
+                     sglang_sync.py: weight and adapter sync; sglang_http.py: config and
+                     errors; server_pool.py: failed servers are skipped until re-synced)
     OpenAIEngine     one OpenAI-compatible /v1/completions server (evaluation)   (openai_client.py)
     python -m rao_jax.rollout.serve   the embedded engine behind SGLang's HTTP API (serve/)
 

@@ -15,21 +15,11 @@ EngineUnavailableError naming the URLs. Requests the server aborted on its own (
 update pausing with mode "abort") are continued: prompt + partial output is re-sent with the
 remaining token budget, and the pieces are joined.
 
-Weight sync (``Engine.update_weights``) exports the model as an HF checkpoint folder under
-``export_root`` and follows the SGLang RL recipe on every server (``update_weights_from_disk``):
-pause_generation -> flush_cache (retried until 200) -> update_weights_from_disk ->
-continue_generation. Servers that are down are skipped (they are re-synced when they return);
-a server that fails its update is marked down.
-
-LoRA (``Engine.update_adapter``): a policy whose adapter alone changed is synced by writing the
-adapter in PEFT's format (``rao_jax.model.peft.save_adapter``, a few MB) to ``export_dir`` and
-loading it on every server with SGLang's ``/load_lora_adapter`` under the name ``rao-v{version}``
-(same pause -> load -> continue recipe; ``weight_version`` relabelled with it); every /generate
-then sends ``lora_path`` = that name, and the previous ``rao-v*`` adapters are unloaded (SGLang
-keeps several loaded; rao_jax.rollout.serve applies one at a time and replaces it on load). A
-server that returns is given the newest full weights (when a full sync replaced its base) and
-then the newest adapter. Servers need LoRA enabled (SGLang: ``--enable-lora --max-lora-rank R
---lora-target-modules ...``; rao_jax.rollout.serve: ``--max-lora-rank R``).
+Weight sync (``Engine.update_weights``, ``update_adapter``, ``update_weights_from_disk``) and the
+re-sync of a returning server are in ``rao_jax.rollout.sglang_sync`` (the ``WeightSync`` half
+of the engine): pause -> flush -> update_weights_from_disk -> continue on every server, LoRA
+adapters by /load_lora_adapter, and the server's weight version read from ``/model_info``
+(current SGLang), ``/get_model_info`` or ``/get_weight_version`` (0.5.x).
 
 Servers started with ``--api-key`` (SGLang's, or rao_jax.rollout.serve's) get it as
 ``Authorization: Bearer <key>`` on every request (``api_key=``; entry points read it from
@@ -47,10 +37,8 @@ with ``--enable-deterministic-inference``, so the first seeded request per serve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import os
 import random
 import time
 import uuid
@@ -58,109 +46,19 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from rao_jax.rollout.base import (Engine, FinishReason,
-                                  GenerateRequest, GenerateResult)
+from rao_jax.rollout.base import Engine, FinishReason, GenerateRequest, GenerateResult
 from rao_jax.rollout.server_pool import ServerPool
+# The shared pieces keep their old import path (the OpenAI client, the serve door, the
+# entry points and tests import them from here).
+from rao_jax.rollout.sglang_http import (_RETRYABLE, API_KEY_ENV,  # noqa: F401
+                                         ClientConfig, ServerError, api_key_from_env,
+                                         auth_headers, error_message, honours_seed)
+from rao_jax.rollout.sglang_sync import ADAPTER_PREFIX, WeightSync  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-# The environment variable the entry points read the servers' key from; rao_jax.rollout.serve's
-# --api-key defaults to it too (its door imports this name: one spelling for both ends).
-API_KEY_ENV = "RAO_JAX_API_KEY"
 
-# Adapters this client loads are named ADAPTER_PREFIX + version; older ones of that prefix are
-# unloaded after a newer one loads (names of other prefixes are someone else's).
-ADAPTER_PREFIX = "rao-v"
-
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
-              ConnectionError)
-
-
-class ServerError(RuntimeError):
-  """A retryable server failure (5xx or a malformed answer)."""
-
-
-def error_message(data: Any) -> str:
-  """The message of an error answer in any of SGLang's shapes (nested, flat, or plain text)."""
-  if isinstance(data, dict):
-    err = data.get("error")
-    if isinstance(err, dict) and err.get("message") is not None:
-      return str(err["message"])
-    if isinstance(err, str) and err:
-      return err
-    if data.get("message") is not None:
-      return str(data["message"])
-    if data.get("detail") is not None:       # FastAPI's default validation shape
-      return str(data["detail"])
-    return json.dumps(data)[:500]
-  return str(data)[:500]
-
-
-def auth_headers(api_key: str | None) -> dict[str, str] | None:
-  """The ``Authorization`` header carrying ``api_key`` (None without one)."""
-  if api_key is None or api_key == "":
-    return None
-  if not isinstance(api_key, str) or api_key != api_key.strip() or any(
-      c in api_key for c in "\r\n"):
-    # Not echoed: the value is a secret.
-    raise ValueError("api_key: give the server's key as one line of text without surrounding "
-                     "spaces.")
-  return {"Authorization": f"Bearer {api_key}"}
-
-
-def api_key_from_env(name: str = API_KEY_ENV) -> str | None:
-  """The rollout servers' API key from the environment variable ``name`` (None when unset or
-  empty): how entry points hand the key to the clients without writing it anywhere."""
-  return os.environ.get(name) or None
-
-
-def honours_seed(server_info: Any) -> bool:
-  """Whether a server's /get_server_info says it reproduces ``sampling_seed``."""
-  if not isinstance(server_info, dict):
-    return False
-  return bool(server_info.get("sampling_seed_honoured")
-              or server_info.get("enable_deterministic_inference"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ClientConfig:
-  """Timeouts and retry policy of SGLangEngine.
-
-  Attributes:
-    request_timeout: seconds one HTTP /generate may take.
-    connect_timeout: seconds to establish a connection.
-    retry_timeout: seconds a request keeps retrying after its first failure before it is
-      reported aborted; and seconds every server may be down before the client raises
-      EngineUnavailableError (the trainer then stops with a checkpoint).
-    health_interval: seconds between two health checks of a server marked down.
-    backoff: first retry delay in seconds (doubles each retry, with jitter).
-    max_backoff: cap on the retry delay.
-    max_continuations: times a server-aborted request is continued before giving up.
-    flush_timeout: seconds /flush_cache is retried during a weight update.
-    forward_session_ids: send ``session_params: {"id": ...}`` (understood by
-      rao_jax.rollout.serve; real SGLang servers reuse prefixes with their radix cache instead).
-  """
-  request_timeout: float = 600.0
-  connect_timeout: float = 10.0
-  retry_timeout: float = 120.0
-  health_interval: float = 1.0
-  backoff: float = 0.25
-  max_backoff: float = 4.0
-  max_continuations: int = 16
-  flush_timeout: float = 120.0
-  forward_session_ids: bool = False
-
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if f.type in ("float", "int") and not v > 0 and f.name != "max_continuations":
-        raise ValueError(f"ClientConfig.{f.name}={v!r}: must be > 0.")
-    if self.max_continuations < 0:
-      raise ValueError(f"ClientConfig.max_continuations={self.max_continuations!r}: must be "
-                       ">= 0.")
-
-
-class SGLangEngine(Engine):
+class SGLangEngine(WeightSync, Engine):
   """An Engine that sends requests to one or more SGLang-native servers.
 
   Args:
@@ -461,127 +359,7 @@ class SGLangEngine(Engine):
   async def end_session(self, session_id: str) -> None:
     self._sessions.pop(session_id, None)
 
-  # ---- control --------------------------------------------------------------------------------
-  async def _control(self, url: str, path: str, body=None, patience: float | None = None):
-    """A control POST retried on connection errors and 5xx for ``patience`` seconds (default
-    retry_timeout; 0: one try); then raises ConnectionError."""
-    loop = asyncio.get_running_loop()
-    patience = self.config.retry_timeout if patience is None else patience
-    deadline = loop.time() + patience
-    delay = self.config.backoff
-    while True:
-      try:
-        status, data = await self._post(url, path, body, timeout=self.config.request_timeout)
-        if status == 401:      # retrying cannot help: say so now, not after the flush timeout
-          raise PermissionError(f"{url}{path} refused the client (HTTP 401): "
-                                f"{error_message(data)} Give the client the server's key "
-                                f"(api_key=, or the {API_KEY_ENV} environment variable).")
-        if status < 500:
-          return status, data
-        err = f"HTTP {status}"
-      except _RETRYABLE as e:
-        err = f"{type(e).__name__}: {e}"
-      if loop.time() + delay > deadline:
-        raise ConnectionError(f"{url}{path} failed until the retry timeout: {err}")
-      await asyncio.sleep(delay)
-      delay = min(delay * 2, self.config.max_backoff)
-
-  async def update_weights_from_disk(self, model_path: str, version: int | str) -> None:
-    """Loads an HF checkpoint folder on every server that is up: pause -> flush -> update ->
-    continue. Servers that are down load it when they return (before any request); one that
-    fails its update is marked down. With every server down, waits for one to return (it
-    loads this version first), raising EngineUnavailableError past the retry timeout.
-
-    Requests in flight are aborted by the pause and continued by their ``generate`` calls
-    once generation resumes (with the new weights for the remaining tokens).
-    """
-    # Set first: a server a probe is re-syncing now must end on this version, not the last.
-    self._synced = (model_path, str(version))
-    # New full weights replace the base and any adapter (the servers drop theirs too).
-    self._adapter = None
-    self._base_versions = {str(version)}
-    done = await asyncio.gather(*[self._sync_one(u, model_path, version)
-                                  for u in self.pool.healthy()])
-    if not any(done):
-      await self.pool.wait_for_any()
-    self._version = str(version)
-
-  async def _sync_one(self, url, model_path, version) -> bool:
-    """Updates one server; False when it failed like a dead server (then marked down)."""
-    try:
-      await self._update_one(url, model_path, version, patience=0)
-      return True
-    except (ConnectionError,) + _RETRYABLE as e:
-      self.pool.mark_down(url, f"weight update failed: {type(e).__name__}: {e}")
-      return False
-
-  async def _update_one(self, url, model_path, version, patience=None):
-    loop = asyncio.get_running_loop()
-    await self._control(url, "/pause_generation", {"mode": "abort"}, patience)
-    try:
-      deadline = loop.time() + self.config.flush_timeout
-      while True:   # 400 while requests are still draining: retry until 200
-        status, _ = await self._control(url, "/flush_cache", patience=patience)
-        if status == 200:
-          break
-        if loop.time() > deadline:
-          raise TimeoutError(f"{url}/flush_cache kept failing for "
-                             f"{self.config.flush_timeout} s.")
-        await asyncio.sleep(0.1)
-      status, data = await self._control(
-          url, "/update_weights_from_disk",
-          {"model_path": model_path, "weight_version": str(version), "flush_cache": True},
-          patience)
-      if status != 200 or not (isinstance(data, dict) and data.get("success")):
-        raise RuntimeError(f"{url}/update_weights_from_disk failed (HTTP {status}): {data}")
-    finally:
-      try:
-        await self._control(url, "/continue_generation", patience=patience)
-      except (ConnectionError,) + _RETRYABLE as e:
-        # A server that died mid-update: the error of the step that failed is the one to see.
-        log.info("%s/continue_generation failed: %s", url, e)
-
-  # ---- failover (ServerPool's callbacks) ------------------------------------------------------
-  async def _health(self, url: str) -> bool:
-    """One health check of a down server: its GET /health answers 200."""
-    async with self._session().get(
-        url + "/health", timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)
-    ) as resp:
-      return resp.status == 200
-
-  async def _server_version(self, url: str) -> str:
-    async with self._session().get(
-        url + "/get_weight_version",
-        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout)) as resp:
-      data = await resp.json(content_type=None)
-      if resp.status == 401:   # a key problem is the user's to fix, not a server that is down
-        raise PermissionError(f"{url}/get_weight_version refused the client (HTTP 401): "
-                              f"{error_message(data)}; check the servers' --api-key and "
-                              "RAO_JAX_API_KEY.")
-      return str(data["weight_version"])
-
-  async def _resync(self, url: str) -> str | None:
-    """Brings a returning server to the newest synced weights and adapter; returns the version
-    it serves (None: no sync yet, it serves the weights it started with, as every server did).
-
-    A server reporting a version served over the current base (``_base_versions``) only loads
-    the newest adapter; any other (a restart, a missed full sync) loads the newest full weights
-    first, when there were any."""
-    while self._synced is not None or self._adapter is not None:
-      target = (self._synced, self._adapter)
-      synced, adapter = target
-      version = adapter[2] if adapter is not None else synced[1]
-      have = await self._server_version(url)
-      if have != version:
-        if synced is not None and (adapter is None or have not in self._base_versions):
-          await self._update_one(url, synced[0], synced[1], patience=0)
-        if adapter is not None:
-          await self._adapter_one(url, *adapter, patience=0)
-        self.pool.stats[url].resyncs += 1
-      if (self._synced, self._adapter) == target:      # no newer sync began meanwhile
-        return version
-    return None
-
+  # ---- state ----------------------------------------------------------------------------------
   def check_available(self) -> None:
     """Raises EngineUnavailableError when every server has been down past retry_timeout."""
     err = self.pool.unavailable_error()
@@ -591,120 +369,8 @@ class SGLangEngine(Engine):
   def health_metrics(self) -> dict[str, float]:
     return self.pool.metrics()
 
-  def export_dir(self, version: int | str) -> str:
-    """The folder ``update_weights`` writes version ``version`` to."""
-    if self.export_root is None:
-      raise ValueError("SGLangEngine.update_weights: the client has no export_root; construct "
-                       "it with export_root=<a folder every server can read> (the trainer "
-                       "passes <workdir>/weights).")
-    name = f"v{version:06d}" if isinstance(version, int) else f"v{version}"
-    # Absolute: a server resolves a relative path against its own working directory.
-    return os.path.join(os.path.abspath(self.export_root), name)
-
-  async def update_weights(self, model, version: int | str) -> None:
-    """Exports ``model`` as an HF checkpoint folder (``export_dir(version)``) and has every
-    server load it (``update_weights_from_disk``). Requests in flight are continued on the
-    new weights."""
-    out = self.export_dir(version)
-    # Imported here: the client itself needs no JAX (a CPU box can drive remote servers).
-    from rao_jax.model.weights import export_hf  # pylint: disable=g-import-not-at-top
-    await asyncio.to_thread(export_hf, model, None, self.tokenizer, out)
-    await self.update_weights_from_disk(out, version)
-
-  async def update_adapter(self, model, version: int | str) -> None:
-    """Writes ``model``'s LoRA adapter as a PEFT folder (``export_dir(version)``) and has every
-    server load it (``load_adapter_from_disk``); a model without an adapter is sent whole
-    (``update_weights``). The servers' base must be the policy's: the weights they started
-    with, or the last ``update_weights``."""
-    if not model.cfg.lora.enabled:
-      return await self.update_weights(model, version)
-    out = self.export_dir(version)
-    # Imported here: the client itself needs no JAX (a CPU box can drive remote servers).
-    from rao_jax.model.peft import save_adapter  # pylint: disable=g-import-not-at-top
-    await asyncio.to_thread(save_adapter, model, out)
-    await self.load_adapter_from_disk(out, version)
-
-  @staticmethod
-  def adapter_name(version: int | str) -> str:
-    """The name an adapter of ``version`` is loaded under (``lora_path`` of every request)."""
-    return f"{ADAPTER_PREFIX}{version}"
-
-  async def load_adapter_from_disk(self, folder: str, version: int | str) -> None:
-    """Loads a PEFT adapter folder on every server that is up (pause -> /load_lora_adapter ->
-    continue) as ``adapter_name(version)``; requests send that name from now on. Servers that
-    are down load it when they return; one that fails to load it is marked down. With every
-    server down, waits for one to return (raising EngineUnavailableError past the retry
-    timeout). A server refusing the adapter (LoRA not enabled, a rank above its
-    --max-lora-rank, ...) raises RuntimeError naming it and its answer."""
-    name, version = self.adapter_name(version), str(version)
-    self._adapter_syncs += 1
-    try:
-      self._adapter = (name, os.path.abspath(folder), version)
-      self._base_versions.add(version)
-      done = await asyncio.gather(*[self._adapter_sync_one(u, *self._adapter)
-                                    for u in self.pool.healthy()])
-      if not any(done):
-        await self.pool.wait_for_any()
-      self._version = version
-    finally:
-      self._adapter_syncs -= 1
-
-  async def _adapter_sync_one(self, url, name, folder, version) -> bool:
-    """Loads the adapter on one server; False when it failed like a dead server (then marked
-    down)."""
-    try:
-      await self._adapter_one(url, name, folder, version, patience=0)
-      return True
-    except (ConnectionError,) + _RETRYABLE as e:
-      self.pool.mark_down(url, f"adapter load failed: {type(e).__name__}: {e}")
-      return False
-
-  async def _adapter_one(self, url, name, folder, version, patience=None):
-    """pause (abort) -> /load_lora_adapter -> relabel -> unload older rao-v* -> continue."""
-    await self._control(url, "/pause_generation", {"mode": "abort"}, patience)
-    try:
-      body = {"lora_name": name, "lora_path": folder, "weight_version": version}
-      status, data = await self._control(url, "/load_lora_adapter", body, patience)
-      if status != 200 and "already loaded" in error_message(data):
-        # A retried sync that reached the server before: load it afresh under its name.
-        await self._control(url, "/unload_lora_adapter", {"lora_name": name}, patience)
-        status, data = await self._control(url, "/load_lora_adapter", body, patience)
-      if status != 200 or not (isinstance(data, dict) and data.get("success")):
-        raise RuntimeError(f"{url}/load_lora_adapter of {folder} failed (HTTP {status}): "
-                           f"{error_message(data) if isinstance(data, dict) else data}; the "
-                           "server needs LoRA enabled with a rank and targets that fit the "
-                           "adapter (rao_jax.rollout.serve: --max-lora-rank R; SGLang: "
-                           "--enable-lora --max-lora-rank R --lora-target-modules ...).")
-      if str(data.get("weight_version")) != version:
-        # SGLang's load leaves the version label as it was: relabel, so samples carry it.
-        await self._control(url, "/update_weight_version", {"new_version": version}, patience)
-      for old in data.get("loaded_adapters") or {}:
-        if old != name and str(old).startswith(ADAPTER_PREFIX):
-          # SGLang keeps every loaded adapter resident: free the ones no request names now.
-          status, out = await self._control(url, "/unload_lora_adapter", {"lora_name": old},
-                                            patience)
-          if status != 200:
-            log.warning("%s/unload_lora_adapter %s failed (HTTP %s): %s", url, old, status,
-                        error_message(out))
-    finally:
-      try:
-        await self._control(url, "/continue_generation", patience=patience)
-      except (ConnectionError,) + _RETRYABLE as e:
-        log.info("%s/continue_generation failed: %s", url, e)
-
-  async def get_weight_versions(self) -> dict[str, str | None]:
-    """Each server's current weight version (None for a server that does not answer)."""
-    out = {}
-    for u in self.urls:
-      try:
-        out[u] = await self._server_version(u)
-      except _RETRYABLE + (ValueError, KeyError):
-        out[u] = None
-    return out
-
   async def close(self) -> None:
     await self.pool.close()
     if self._http is not None and not self._http.closed:
       await self._http.close()
     self._http = None
-

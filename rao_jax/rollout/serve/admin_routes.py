@@ -51,7 +51,8 @@ class AdminRoutes(ServerCore):
     return web.Response(status=200)
 
   async def model_info(self, request):
-    """GET /get_model_info."""
+    """GET /model_info (current SGLang) and /get_model_info (0.5.x): ``weight_version`` is where
+    current clients read the served version."""
     return web.json_response({
         "model_path": self.model_path, "tokenizer_path": self.model_path,
         "is_generation": True,
@@ -103,7 +104,7 @@ class AdminRoutes(ServerCore):
         "lora": self.adapter_slot.describe() if self.adapter_slot is not None else None})
 
   async def weight_version(self, request):
-    """GET /get_weight_version."""
+    """GET /get_weight_version: 0.5.x servers' route (current SGLang moved it to /model_info)."""
     return web.json_response({"weight_version": str(self.engine.weight_version)})
 
   async def update_weight_version(self, request):

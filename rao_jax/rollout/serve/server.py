@@ -32,7 +32,10 @@ class Server(SGLangRoutes, OpenAIRoutes, AdminRoutes, LoraRoutes):
     r = app.router
     r.add_post("/generate", self.generate)
     for path, fn in (*health.items(),
-                     ("/get_model_info", self.model_info), ("/get_server_info", self.server_info),
+                     # /model_info is current SGLang's spelling (it answers /get_weight_version
+                     # with 404); the older two are kept for 0.5.x clients.
+                     ("/model_info", self.model_info), ("/get_model_info", self.model_info),
+                     ("/get_server_info", self.server_info),
                      ("/get_weight_version", self.weight_version),
                      ("/flush_cache", self.flush_cache), ("/v1/models", self.models)):
       r.add_get(path, fn)
