@@ -52,7 +52,7 @@ def packing_report(vocab: int, row_len: int, micro: int, seed: int = 0):
   from rao_jax.learner.testing import synthetic_trees
   trees = synthetic_trees(num_groups=4, group_size=8, vocab=vocab, seed=seed, max_len=row_len,
                           mean_len=300, max_children=3, max_depth=3)
-  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  adv = compute_rewards_and_advantages(trees, lam=0.5, baseline="loo", drop_equal_groups=False)
   fine = tuple(range(micro, 513, micro))   # every multiple of the micro-batch (recommended)
   pow2 = tuple(micro * 2 ** i for i in range(10))
   b_fine = pack_trees(trees, adv, row_len, fine)

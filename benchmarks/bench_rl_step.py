@@ -225,7 +225,7 @@ def step_line(st: dict, row_len: int) -> dict:
           "rows": m.get("learner/batch/rows", 0.0), "rows_used": rows_used,
           "real_tokens_per_s": m.get("learner/batch/real_tokens", 0.0) / max(
               m["time/learner_s"], 1e-9),
-          "skipped": bool(m.get("learner/skipped")),
+          "skipped": not m.get("learner/update_applied", 1.0),
       },
       "sync_s": m["time/sync_s"], "step_s": m["time/step_s"],
       # Compilation before step 1 (the trainer's warm-up), reported with step 1.
@@ -403,7 +403,7 @@ def main(argv):
   row_len = int(config.learner.row_len)
   lines = [step_line(st, row_len) for st in tr.steps]
   last = next((st["trees"] for st in reversed(tr.steps)
-               if not st["m"].get("learner/skipped")), None)
+               if st["m"].get("learner/update_applied", 1.0)), None)
   batch = tr.learner.prepare(last)[0] if last else None
   rates = measure_rates(tr, batch, int(config.rollout.max_cache_len))
   work = learner_work(batch) if batch is not None else {}

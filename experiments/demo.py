@@ -139,7 +139,7 @@ def rl_summary(path: str) -> list[dict]:
     if "train/success" not in m:
       continue
     out.append({"step": m["step"], "sampled_success": m["train/success"],
-                "updated": not m.get("train/learner/skipped"),
+                "updated": bool(m.get("train/learner/update_applied", 1.0)),
                 "learner_s": round(m.get("train/time/learner_s", 0.0), 1),
                 "learner_tokens_per_s": round(m.get("train/learner/tokens_per_s", 0.0), 1),
                 "rollout_tokens_per_s": round(m.get("train/rollout/tokens_per_s", 0.0), 1)})

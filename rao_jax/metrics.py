@@ -203,7 +203,13 @@ def read_metrics(path: str) -> list[dict]:
   return rows
 
 
-_NAMES = {"success": "success", "reward": "root reward", "rl/root_reward_mean": "root reward", "delegating_share": "share of trees delegating"}
+_NAMES = {"success": "success", "reward": "root reward", "rl/root_reward_mean": "root reward",
+          "delegating_share": "share of trees delegating",
+          "drift/at_depth_limit": "nodes at the depth limit",
+          "drift/helpers_outside_root": "helpers outside their root's task",
+          "drift/helpers_outside_parent": "helpers outside their parent's task",
+          "drift/groups_all_equal": "groups with equal root rewards",
+          "drift/update_applied": "update applied (1 = yes)"}
 _SOURCES = {"train": "sampled trees", "eval": "held-out, greedy"}
 
 
@@ -230,7 +236,8 @@ def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
   if keys is None:
     keys = sorted({k for r in rows for k in r
                    if k != "step" and ("reward" in k or "success" in k or
-                                       k.endswith("delegating_share")) and "depth" not in k})
+                                       k.endswith("delegating_share")) and "depth" not in k
+                   and "/drift/" not in k})
   merged: dict[tuple, list[str]] = {}
   for k in keys:
     pts = tuple((r["step"], r[k]) for r in rows if r.get(k) is not None)
@@ -241,30 +248,80 @@ def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
 
 
 def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -> str | None:
-  """Plots reward and success curves over steps from a metrics JSONL file into a PNG.
+  """Plots reward and success curves over steps from a metrics JSONL file into a PNG, and, when
+  the run logged them, its drift shares (`drift_stats`) in a second panel under them.
 
   Returns the PNG path, or None when there is nothing to plot.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
 
-  series = plot_series(read_metrics(path), keys)
+  rows = read_metrics(path)
+  series = plot_series(rows, keys)
   if not series:
     return None
-  fig, ax = plt.subplots(figsize=(8, 4.5))
+  drift = plot_series(rows, tuple(f"train/{k}" for k in DRIFT_KEYS)) if keys is None else []
+  fig, axes = plt.subplots(2 if drift else 1, 1, figsize=(8, 7.5 if drift else 4.5),
+                           sharex=True, squeeze=False)
   styles = ("-", "--", ":", "-.")
-  for i, (label, pts) in enumerate(series):
-    xs, ys = zip(*pts)
-    ax.plot(xs, ys, marker="o", markersize=3, linestyle=styles[i % len(styles)], label=label)
-  ax.set_xlabel("RL step")
-  ax.set_ylabel("value")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, loc="best")
+  for ax, curves, ylabel in ((axes[0][0], series, "value"),
+                             (axes[-1][0] if drift else None, drift, "share of the step")):
+    if ax is None:
+      continue
+    for i, (label, pts) in enumerate(curves):
+      xs, ys = zip(*pts)
+      ax.plot(xs, ys, marker="o", markersize=3, linestyle=styles[i % len(styles)], label=label)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
+  axes[-1][0].set_xlabel("RL step")
+  if drift:
+    axes[-1][0].set_title("drift: what moves before success does", fontsize=9)
   fig.tight_layout()
   fig.savefig(out_png, dpi=120)
   plt.close(fig)
   return out_png
+
+
+# The per-step signs of a policy drifting away from its task (`drift_stats` and the trainer).
+DRIFT_KEYS = ("drift/at_depth_limit", "drift/helpers_outside_root",
+              "drift/helpers_outside_parent", "drift/groups_all_equal", "drift/update_applied")
+
+
+def drift_stats(trees, max_depth: int) -> dict[str, float]:
+  """Shares that show a policy drifting, per RL step, before held-out success does.
+
+  Args:
+    trees: the step's tree records.
+    max_depth: the recursion depth limit (a node there may launch no helper).
+
+  Returns:
+    `drift/at_depth_limit`: the share of nodes at depth >= max_depth (helpers sent where they
+      can delegate no further; a policy that over-delegates fills this level first);
+    `drift/helpers_outside_root` and `drift/helpers_outside_parent`: of the helpers whose
+      environment checked their task at launch (`NodeRecord.extras["scope"]`), the share whose
+      task names something outside their root's task, and outside their parent's own task
+      (TextCraft: items outside the recipe closure, or a target at a higher count): a goal
+      retyped with invented or repeated items. Absent when no helper was checked (an
+      environment that cannot tell), 0 when there was no helper.
+    The trainer adds `drift/groups_all_equal` (groups whose roots got equal rewards, which carry
+    no signal) and `drift/update_applied`.
+  """
+  nodes = [n for t in trees for n in t.nodes]
+  if not nodes:
+    return {}
+  out = {"drift/at_depth_limit": sum(int(n.depth) >= max_depth for n in nodes) / len(nodes)}
+  helpers = [n for n in nodes if int(n.depth) > 0]
+  scopes = [n.extras.get("scope") for n in helpers]
+  scopes = [sc for sc in scopes if isinstance(sc, dict)]
+  if scopes or not helpers:
+    for key in ("outside_root", "outside_parent"):
+      out[f"drift/helpers_{key}"] = (sum(bool(sc.get(key)) for sc in scopes) / len(scopes)
+                                     if scopes else 0.0)
+  return out
 
 
 def tree_stats(trees) -> dict[str, float]:

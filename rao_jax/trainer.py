@@ -442,12 +442,16 @@ class Trainer:
     if self.rl.overlap and step + 1 < self.rl.total_steps:
       state.next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
     t_learn = time.perf_counter()
-    if batch is not None and batch.stats.get("nodes_packed", 0) > 0:
+    if batch is not None and adv.has_signal and batch.stats.get("nodes_packed", 0) > 0:
       lmetrics = await asyncio.to_thread(state.guard.step, self.learner, batch, step)
+      lmetrics["no_signal"] = 0.0
     else:
-      # Every group had equal rewards (or every group was dropped): no gradient signal. An
-      # Adam step on zeros would still move the weights along its momentum, so it is skipped.
-      lmetrics = {"skipped": 1.0}
+      # No node carries w_d * A != 0 (every group's roots got equal rewards, or every group
+      # was dropped). Adam normalises each coordinate, so even a near-zero gradient (a KL term
+      # alone, or rounding) would move every weight by about the learning rate: no update.
+      log.info("Step %d: no signal in the batch (every group's roots got equal rewards); no "
+               "optimizer update.", step)
+      lmetrics = {"update_applied": 0.0, "no_signal": 1.0}
     learn_s = time.perf_counter() - t_learn
     learner_compile_s = clock.between(t_learn, t_learn + learn_s)
     state.step = step + 1
@@ -486,6 +490,10 @@ class Trainer:
     m.update({f"learner/{k}": v for k, v in lmetrics.items()})
     if trees:
       m.update(metrics_lib.tree_stats(trees))
+      m.update(metrics_lib.drift_stats(trees, int(self.config.agent.max_depth)))
+    if adv is not None:
+      m["drift/groups_all_equal"] = adv.stats["groups_all_equal_frac"]
+    m["drift/update_applied"] = float(lmetrics.get("update_applied", 1.0))
     return m
 
   async def _batch_for(self, runner, state: "RunState"):

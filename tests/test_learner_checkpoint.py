@@ -32,7 +32,7 @@ def batches(n, seed=40):
   for i in range(n):
     trees = synthetic_trees(1, 2, 64, seed=seed + i, max_len=32, mean_len=10, max_depth=2,
                             max_children=2)
-    adv = compute_rewards_and_advantages(trees)
+    adv = compute_rewards_and_advantages(trees, drop_equal_groups=False)  # every node packed
     out.append(pack_trees(trees, adv, row_len=32, bucket_rows=(4,)))
   return out
 

@@ -1,9 +1,17 @@
-"""RAO rewards, leave-one-out advantages, depth weights and packing (host side, numpy)."""
+"""RAO rewards, leave-one-out advantages, depth weights and packing (host side, numpy), under
+the paper's estimator (baseline "loo", equal groups kept); tests/test_learner_baseline.py tests
+the default."""
+import functools
+
 import numpy as np
 import pytest
 
 from rao_jax.learner import compute_rewards_and_advantages, pack_trees
 from rao_jax.learner.testing import make_node, make_tree, synthetic_trees, worked_example_trees
+
+# The paper's estimator as RAO_SPEC first states it: the other roots' R as the baseline, and a
+# group of equal root rewards kept (its descendants keep R(v) - R(root)).
+_paper = functools.partial(compute_rewards_and_advantages, baseline="loo", drop_equal_groups=False)
 
 # RAO_SPEC worked example table, rows r1, a, b, a1, r2 (flat node order of the two trees).
 SPEC_R = [1.25, 1.5, 0.0, 1.0, 0.0]
@@ -14,7 +22,7 @@ SPEC_WA = [1.0417, 1.25, 0.0, 1.6667, -1.0417]
 
 
 def test_worked_example_matches_spec_table():
-  adv = compute_rewards_and_advantages(worked_example_trees(), lam=0.5)
+  adv = _paper(worked_example_trees(), lam=0.5)
   assert adv.node_ids == ("r1", "a", "b", "a1", "r2")
   np.testing.assert_allclose(adv.reward_N, SPEC_R, atol=1e-12)
   np.testing.assert_allclose(adv.baseline_N, SPEC_B, atol=1e-12)
@@ -36,7 +44,7 @@ def test_proxy_success_and_lambda():
                              make_node("c", "r", 1, [], None)])
   t2 = make_tree("t2", "g", [make_node("r", None, 0, [], 0.0, "verifier")])
   t3 = make_tree("t3", "g", [make_node("r", None, 0, [], 1.0, "judge")])
-  adv = compute_rewards_and_advantages([t1, t2, t3], lam=2.0)
+  adv = _paper([t1, t2, t3], lam=2.0)
   assert adv.source_N == ("verifier", "proxy", "verifier", "judge")
   np.testing.assert_allclose(adv.success_N, [0.5, 0.5, 0.0, 1.0])
   np.testing.assert_allclose(adv.reward_N, [0.5 + 2.0 * 0.5, 0.5, 0.0, 1.0])
@@ -51,7 +59,7 @@ def test_all_equal_groups_are_counted():
   trees = [make_tree(f"{g}t{k}", g, [make_node("r", None, 0, [], s)])
            for g, s in (("g1", 1.0), ("g2", 0.0)) for k in range(2)]
   trees.append(make_tree("t9", "g2", [make_node("r", None, 0, [], 1.0)]))
-  adv = compute_rewards_and_advantages(trees)
+  adv = _paper(trees)
   assert adv.stats["groups_all_equal"] == 1 and adv.stats["num_groups"] == 2
   np.testing.assert_allclose(adv.advantage_N[:2], 0.0)
 
@@ -59,7 +67,7 @@ def test_all_equal_groups_are_counted():
 def test_group_of_one_is_a_clear_error():
   trees = [make_tree("t1", "lonely", [make_node("r", None, 0, [], 1.0)])]
   with pytest.raises(ValueError, match=r"lonely.*K >= 2.*group.size"):
-    compute_rewards_and_advantages(trees)
+    _paper(trees)
 
 
 @pytest.mark.parametrize("bad", [1.5, float("nan"), -0.1])
@@ -67,21 +75,21 @@ def test_bad_success_is_rejected(bad):
   trees = [make_tree(f"t{k}", "g", [make_node("r", None, 0, [], 1.0 if k else bad)])
            for k in range(2)]
   with pytest.raises(ValueError, match="success"):
-    compute_rewards_and_advantages(trees)
+    _paper(trees)
 
 
 def test_unscored_root_and_negative_lambda_are_errors():
   trees = [make_tree(f"t{k}", "g", [make_node("r", None, 0, [], None if k else 1.0)])
            for k in range(2)]
   with pytest.raises(ValueError, match="root"):
-    compute_rewards_and_advantages(trees)
+    _paper(trees)
   with pytest.raises(ValueError, match="lam"):
-    compute_rewards_and_advantages(worked_example_trees(), lam=-1.0)
+    _paper(worked_example_trees(), lam=-1.0)
 
 
 def test_packing_layout_shift_and_coefficients():
   trees = worked_example_trees()
-  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  adv = _paper(trees, lam=0.5)
   batch = pack_trees(trees, adv, row_len=16, bucket_rows=(2, 4, 8))
   assert batch.shape == (4, 16)   # 35 tokens -> 3 rows, padded to the bucket of 4
   nodes = [n for t in trees for n in t.nodes]
@@ -112,7 +120,7 @@ def test_packing_layout_shift_and_coefficients():
 
 def test_token_sum_coefficients_and_normalizer():
   trees = worked_example_trees()
-  adv = compute_rewards_and_advantages(trees)
+  adv = _paper(trees)
   batch = pack_trees(trees, adv, row_len=16, bucket_rows=(4,), loss="token_sum",
                      token_sum_normalizer=100.0)
   for p in batch.placements:
@@ -124,21 +132,21 @@ def test_token_sum_coefficients_and_normalizer():
 
 def test_too_long_trajectory_names_node_and_fix():
   trees = worked_example_trees()
-  adv = compute_rewards_and_advantages(trees)
+  adv = _paper(trees)
   with pytest.raises(ValueError, match=r"'t1' node 'r1'.*9 tokens.*row_len=8.*Fix"):
     pack_trees(trees, adv, row_len=8, bucket_rows=(8,))
 
 
 def test_too_many_rows_names_the_fix():
   trees = worked_example_trees()
-  adv = compute_rewards_and_advantages(trees)
+  adv = _paper(trees)
   with pytest.raises(ValueError, match="largest bucket"):
     pack_trees(trees, adv, row_len=10, bucket_rows=(1, 2))
 
 
 def test_packing_efficiency_on_realistic_trees():
   trees = synthetic_trees(num_groups=4, group_size=4, vocab=1000, seed=3, max_len=1024)
-  adv = compute_rewards_and_advantages(trees)
+  adv = _paper(trees)
   rows = tuple(range(4, 257, 4))
   batch = pack_trees(trees, adv, row_len=1024, bucket_rows=rows)
   # Every generated target appears exactly once in the loss mask.
@@ -151,16 +159,16 @@ def test_packing_efficiency_on_realistic_trees():
 def test_ablation_options_on_the_worked_example():
   trees = worked_example_trees()
   # Per-tree GRPO: every node of a tree takes its root's advantage.
-  tree_adv = compute_rewards_and_advantages(trees, lam=0.5, advantage="tree")
+  tree_adv = _paper(trees, lam=0.5, advantage="tree")
   np.testing.assert_allclose(tree_adv.advantage_N, [1.25, 1.25, 1.25, 1.25, -1.25])
   np.testing.assert_allclose(tree_adv.reward_N, SPEC_R)   # rewards are RAO's
   # No depth weights: w = 1 everywhere, advantages unchanged.
-  flat = compute_rewards_and_advantages(trees, lam=0.5, depth_weights=False)
+  flat = _paper(trees, lam=0.5, depth_weights=False)
   np.testing.assert_allclose(flat.weight_N, 1.0)
   np.testing.assert_allclose(flat.advantage_N, SPEC_A)
   # Root-only: children keep their rewards (and shape R(root) through the bonus) but leave the
   # learner batch; the roots are one depth, so w = 1, and N = 2.
-  roots = compute_rewards_and_advantages(trees, lam=0.5, train_nodes="root")
+  roots = _paper(trees, lam=0.5, train_nodes="root")
   np.testing.assert_allclose(roots.weight_N, [1, 0, 0, 0, 1])
   np.testing.assert_allclose(roots.reward_N, SPEC_R)
   assert roots.num_train_nodes == 2 and roots.num_nodes == 5
@@ -168,9 +176,9 @@ def test_ablation_options_on_the_worked_example():
   assert float(batch.normalizer) == 2.0
   assert sorted(p.node_id for p in batch.placements) == ["r1", "r2"]
   with pytest.raises(ValueError, match="advantage='leaf'"):
-    compute_rewards_and_advantages(trees, advantage="leaf")
+    _paper(trees, advantage="leaf")
   with pytest.raises(ValueError, match="train_nodes='kids'"):
-    compute_rewards_and_advantages(trees, train_nodes="kids")
+    _paper(trees, train_nodes="kids")
 
 
 def test_children_take_their_own_groups_baseline_when_groups_are_interleaved():
@@ -183,7 +191,7 @@ def test_children_take_their_own_groups_baseline_when_groups_are_interleaved():
   trees = [tree("a1", "A", 1.0, 1.0), tree("b1", "B", 0.0, 1.0),
            tree("a2", "A", 0.0, 0.0), tree("b2", "B", 0.0, 0.0),
            tree("a3", "A", 1.0, 0.0), tree("b3", "B", 1.0, 1.0)]
-  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  adv = _paper(trees, lam=0.5)
   root_r = {"a1": 1.5, "b1": 0.5, "a2": 0.0, "b2": 0.0, "a3": 1.0, "b3": 1.5}
   groups = {"A": ["a1", "a2", "a3"], "B": ["b1", "b2", "b3"]}
   for i, (t, n) in enumerate(zip(adv.tree_ids, adv.node_ids)):
@@ -202,16 +210,16 @@ def _node(node_id, parent, depth, children=(), s=1.0, goal=None):
 def test_count_bonus_group_mean_baseline_and_root_rewards_on_the_worked_example():
   trees = worked_example_trees()
   # Count: R(v) = s(v) + lambda * sum s(c). r1: 1 + 0.5 * (1 + 0) = 1.5; a: 1 + 0.5 * 1.
-  count = compute_rewards_and_advantages(trees, lam=0.5, bonus="count")
+  count = _paper(trees, lam=0.5, bonus="count")
   np.testing.assert_allclose(count.reward_N, [1.5, 1.5, 0.0, 1.0, 0.0])
   np.testing.assert_allclose(count.baseline_N, [0.0, 0.0, 0.0, 0.0, 1.5])
   # Group mean: b = (R(r1) + R(r2)) / 2 = 0.625 for both trees (own root included).
-  mean = compute_rewards_and_advantages(trees, lam=0.5, baseline="group_mean")
+  mean = _paper(trees, lam=0.5, baseline="group_mean")
   np.testing.assert_allclose(mean.baseline_N, 0.625)
   np.testing.assert_allclose(mean.advantage_N, np.asarray(SPEC_R) - 0.625)
   # Root rewards: every node of tree 1 takes s(r1) = 1 (b's own 0 is ignored), so
   # R = 1 + 0.5 * 1 for nodes with children, 1 for leaves; tree 2 is all 0.
-  root = compute_rewards_and_advantages(trees, lam=0.5, node_rewards="root")
+  root = _paper(trees, lam=0.5, node_rewards="root")
   np.testing.assert_allclose(root.reward_N, [1.5, 1.5, 1.0, 1.0, 0.0])
   np.testing.assert_allclose(root.success_N, [1, 1, 0, 1, 0])   # the record's s stays
   np.testing.assert_allclose(root.advantage_N, [1.5, 1.5, 1.0, 1.0, -1.5])
@@ -220,7 +228,7 @@ def test_count_bonus_group_mean_baseline_and_root_rewards_on_the_worked_example(
                   ({"child_keep_prob": 0.0}, "child_keep_prob"),
                   ({"child_keep_prob": 1.5}, "child_keep_prob")):
     with pytest.raises(ValueError, match=msg):
-      compute_rewards_and_advantages(trees, **kw)
+      _paper(trees, **kw)
 
 
 def test_pass_through_gate_zeroes_a_node_that_only_forwards_its_own_goal():
@@ -234,24 +242,24 @@ def test_pass_through_gate_zeroes_a_node_that_only_forwards_its_own_goal():
   t2 = make_tree("t2", "G", [_node("r", None, 0, ["e1", "e2"], 1.0, g),
                              _node("e1", "r", 1, (), 1.0, g), _node("e2", "r", 1, (), 0.0, g)])
   t3 = make_tree("t3", "G", [_node("r", None, 0, (), 0.0, g)])
-  plain = compute_rewards_and_advantages([t1, t2, t3], lam=0.5)
+  plain = _paper([t1, t2, t3], lam=0.5)
   np.testing.assert_allclose(plain.reward_N, [1.5, 1.5, 1, 1, 1.25, 1, 0, 0])
   assert plain.stats["pass_through_nodes"] == 1
-  gated = compute_rewards_and_advantages([t1, t2, t3], lam=0.5, pass_through_gate=True)
+  gated = _paper([t1, t2, t3], lam=0.5, pass_through_gate=True)
   # Only t1's root is gated: R = 0 (no success, no bonus), and its tree's root reward 0 feeds
   # the other trees' baselines. The echoing root of t2 keeps its reward.
   np.testing.assert_allclose(gated.reward_N, [0, 1.5, 1, 1, 1.25, 1, 0, 0])
   np.testing.assert_allclose(gated.baseline_N, [0.625] * 4 + [0.0] * 3 + [0.625])
   # A whitespace difference is still the same goal; a different goal is a real delegation.
   t1.nodes[1].goal = "  " + g + "\n"
-  assert compute_rewards_and_advantages([t1, t2, t3], pass_through_gate=True).reward_N[0] == 0
+  assert _paper([t1, t2, t3], pass_through_gate=True).reward_N[0] == 0
   t1.nodes[1].goal = h1
-  assert compute_rewards_and_advantages([t1, t2, t3], pass_through_gate=True).reward_N[0] == 1.5
+  assert _paper([t1, t2, t3], pass_through_gate=True).reward_N[0] == 1.5
 
 
 def test_child_subsampling_keeps_every_root_and_about_p_of_the_children():
   trees = synthetic_trees(16, 4, vocab=64, seed=3, max_len=64, mean_len=30)
-  adv = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7)
+  adv = _paper(trees, child_keep_prob=0.25, seed=7)
   roots, kids = adv.depth_N == 0, adv.depth_N > 0
   assert adv.train_N[roots].all()
   share = adv.train_N[kids].mean()
@@ -259,14 +267,14 @@ def test_child_subsampling_keeps_every_root_and_about_p_of_the_children():
   assert adv.stats["train_nodes"] == adv.train_N.sum() == adv.num_train_nodes
   # Dropped children get weight 0; the kept ones are not scaled by 1/p: with depth weights
   # off every kept node has w = 1, and rewards and advantages are those of the full batch.
-  flat = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7, depth_weights=False)
-  full = compute_rewards_and_advantages(trees)
+  flat = _paper(trees, child_keep_prob=0.25, seed=7, depth_weights=False)
+  full = _paper(trees)
   np.testing.assert_array_equal(flat.weight_N, flat.train_N.astype(float))
   np.testing.assert_allclose(flat.advantage_N, full.advantage_N)
   # Same batch and seed: the same draw; another seed: another draw.
-  again = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=7)
+  again = _paper(trees, child_keep_prob=0.25, seed=7)
   np.testing.assert_array_equal(again.train_N, adv.train_N)
-  other = compute_rewards_and_advantages(trees, child_keep_prob=0.25, seed=8)
+  other = _paper(trees, child_keep_prob=0.25, seed=8)
   assert not np.array_equal(other.train_N, adv.train_N)
   batch = pack_trees(trees, flat, row_len=64, bucket_rows=(1024,))
   assert float(batch.normalizer) == flat.num_train_nodes

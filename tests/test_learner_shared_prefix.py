@@ -82,7 +82,7 @@ def test_segments_see_its_prefix_and_itself_only():
 
 def test_packing_shares_prompts_and_keeps_each_nodes_tokens():
   trees = trees_with_shared_prompts()
-  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  adv = compute_rewards_and_advantages(trees, lam=0.5, drop_equal_groups=False)
   plain = pack_trees(trees, adv, T, (8,))
   shared = pack_trees(trees, adv, T, (8,), share_prefix_min=8)
   assert plain.stats["shared_prefix_saved"] == 0
@@ -110,7 +110,7 @@ def test_loss_and_gradient_equal_unshared_packing(kernels):
   if kernels == "mkl" and not mkl.available("mkl"):
     pytest.skip("the MKL kernels cannot be built here")
   trees = trees_with_shared_prompts(seed=1)
-  adv = compute_rewards_and_advantages(trees, lam=0.5)
+  adv = compute_rewards_and_advantages(trees, lam=0.5, drop_equal_groups=False)
   plain = pack_trees(trees, adv, T, (8,))
   shared = pack_trees(trees, adv, T, (8,), share_prefix_min=8)
   assert shared.stats["shared_prefix_units"] >= 2

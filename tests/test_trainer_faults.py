@@ -85,7 +85,7 @@ def test_infra_failure_is_retried_once_then_left_out_of_the_group():
   assert all(collection.infra_error(t) for t in excluded)
   # The learner never sees an infra-failed tree: advantages come from the kept ones only.
   from rao_jax.learner.rewards import compute_rewards_and_advantages
-  adv = compute_rewards_and_advantages(trees)
+  adv = compute_rewards_and_advantages(trees, drop_equal_groups=False)
   assert set(adv.tree_ids) == {t.tree_id for t in trees}
 
   # With retries off and only one usable tree, the group has no baseline and is dropped.
@@ -265,8 +265,10 @@ def test_nonfinite_update_is_skipped_counted_and_the_schedule_counts_applied_upd
   from rao_jax.model import ModelConfig
   cfg = ModelConfig(vocab_size=97, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                     mlp_dim=32, tie_embeddings=True, dtype="float32", param_dtype="float32")
+  # The group's two roots got the same reward: kept (drop_equal_groups=False) so that the
+  # batch has nodes to step on.
   learner = Learner(LearnerConfig(row_len=64, micro_batch_rows=1, bucket_rows=(1, 2, 4, 8, 16),
-                                  lr=1e-2, warmup_steps=4), cfg)
+                                  lr=1e-2, warmup_steps=4, drop_equal_groups=False), cfg)
   trees = lt.synthetic_trees(1, 2, vocab=97, seed=1, max_len=60, mean_len=30)
   good = learner.prepare(trees)[0]
   bad = dict(good.arrays())

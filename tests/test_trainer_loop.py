@@ -76,6 +76,7 @@ def _trainer(tmp_path, *, overlap=False, total=3, max_staleness=1, learner=None)
   t.rl = X.RLConfig(total_steps=total, group_size=2, overlap=overlap,
                     loss="ppo_clip" if overlap else "rao", max_staleness=max_staleness)
   t.config = types.SimpleNamespace(env=types.SimpleNamespace(train_difficulty="easy"),
+                                   agent=types.SimpleNamespace(max_depth=2),
                                    log=types.SimpleNamespace(progress=False))
   t.main, t.trees_dir = True, str(tmp_path)
   t.learner = learner or _Learner()
@@ -125,8 +126,53 @@ def test_rl_step_skips_an_update_without_trees(tmp_path):
   t.collect = nothing
   state = _state(t)
   m = asyncio.run(t.rl_step(None, state))
-  assert m["learner/skipped"] == 1.0 and m["reward"] == 0.0 and not t.learner.steps
+  assert m["learner/update_applied"] == 0.0 and m["learner/no_signal"] == 1.0
+  assert m["drift/update_applied"] == 0.0 and m["reward"] == 0.0 and not t.learner.steps
   assert state.step == 1 and t.synced == [1]   # the engine still gets the version
+
+
+def _alike_group(group, root_s, child_s, depth_limit_child=False):
+  """Two trees of one group with the same shape and successes: root -> helper -> (helper)."""
+  trees = []
+  for k in range(2):
+    nodes = [lt.make_node("0", None, 0, ["0.1"], root_s, "verifier", [1, 2, 3], [0, 1, 1]),
+             lt.make_node("0.1", "0", 1, ["0.1.1"] if depth_limit_child else [], child_s,
+                          "verifier", [1, 2, 3], [0, 1, 1])]
+    if depth_limit_child:
+      nodes.append(lt.make_node("0.1.1", "0.1", 2, [], child_s, "verifier", [1, 2], [0, 1]))
+    nodes[1].extras["scope"] = {"outside_root": k == 0, "outside_parent": False}
+    trees.append(lt.make_tree(f"{group}.{k}", group, nodes))
+  return trees
+
+
+def test_a_step_without_signal_applies_no_update_and_says_so(tmp_path):
+  # Every group's roots got equal rewards: the groups are dropped, no node carries signal, and
+  # the learner is not stepped (an Adam step would move every weight by about lr).
+  t = _trainer(tmp_path)
+  trees = _alike_group("a", 1.0, 1.0, depth_limit_child=True) + _alike_group("b", 0.0, 0.0)
+
+  async def alike(runner, step):
+    return trees, X.RolloutStats(1.0, 10), trees, {}
+  t.collect = alike
+  state = _state(t)
+  m = asyncio.run(t.rl_step(None, state))
+  assert not t.learner.steps and t.learner.step_count == 0
+  assert m["learner/update_applied"] == 0.0 and m["learner/no_signal"] == 1.0
+  assert m["rl/signal"] == 0.0 and m["rl/groups_dropped"] == 2.0
+  # The drift metrics of the step: 2 of 10 nodes sit at the depth limit (2); of the 4 helpers
+  # the environment checked at launch (the grandchildren carry no flags), the 2 of each group's
+  # first tree were flagged outside their root's task.
+  assert m["drift/groups_all_equal"] == 1.0 and m["drift/update_applied"] == 0.0
+  assert m["drift/at_depth_limit"] == pytest.approx(2 / 10)
+  assert m["drift/helpers_outside_root"] == pytest.approx(2 / 4)
+  assert m["drift/helpers_outside_parent"] == 0.0
+  # One group with a comparison is enough for an update.
+  trees = _alike_group("a", 1.0, 1.0) + [lt.make_tree("c.0", "c", [lt.make_node(
+      "0", None, 0, [], 1.0, "verifier", [1, 2, 3], [0, 1, 1])]), lt.make_tree("c.1", "c", [
+          lt.make_node("0", None, 0, [], 0.0, "verifier", [1, 2, 3], [0, 1, 1])])]
+  m = asyncio.run(t.rl_step(None, state))
+  assert len(t.learner.steps) == 1 and m["learner/no_signal"] == 0.0
+  assert m["drift/update_applied"] == 1.0 and m["drift/groups_all_equal"] == 0.5
 
 
 def test_overlap_trains_on_the_collection_started_during_the_last_update(tmp_path):

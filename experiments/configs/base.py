@@ -80,7 +80,11 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.train_nodes = "all"           # "all" nodes in the loss | "root": roots only
   c.rl.depth_weights = True          # inverse-frequency depth weights | False: w = 1
   c.rl.bonus = "rate"                # delegation bonus on the "rate" | "count" of good children
-  c.rl.baseline = "loo"              # "loo": leave-one-out | "group_mean": mean of all K roots
+  # The baseline b_k (RAO_SPEC): "loo_success": leave-one-out mean of the other roots' success
+  # s(r_j), on a leaf's scale (default) | "loo": of their R, the paper's (with lam > 0 it charges
+  # every successful leaf of an all-success group -lam) | "group_mean": mean of all K roots' R
+  c.rl.baseline = "loo_success"
+  c.rl.drop_equal_groups = True      # groups whose roots got equal rewards contribute nothing
   c.rl.node_rewards = "dense"        # "dense": s(v) per node | "root": s(root) for every node
   c.rl.pass_through_gate = False     # True: R = 0 for a node that only forwards its own goal
   c.rl.child_keep_prob = 1.0         # children kept in the learner batch (roots always)

@@ -27,8 +27,13 @@ class LearnerConfig:
     depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
     bonus: the delegation bonus over a node's children: "rate" (RAO: lambda * mean s(c)) or
       "count" (lambda * sum s(c); an ablation the paper found the policy hacks).
-    baseline: "loo" (RAO's leave-one-out mean of the other roots' R) or "group_mean" (the mean
-      of all K roots' R; an ablation).
+    baseline: "loo_success" (default: the leave-one-out mean of the other roots' success
+      s(r_j), on the scale of what a leaf can earn, so a successful leaf is never charged the
+      bonus other roots earned; see rao_jax/learner/rewards.py), "loo" (the paper's
+      leave-one-out mean of the other roots' R) or "group_mean" (the mean of all K roots' R;
+      an ablation). At lam = 0 "loo_success" and "loo" are the same.
+    drop_equal_groups: a group whose roots all got the same reward contributes no term (the
+      RAO authors' filter); a batch left without signal applies no update (the trainer).
     node_rewards: "dense" (RAO: each node's own s(v)) or "root" (every node takes s(root); the
       paper's root-only rewards, an ablation).
     pass_through_gate: a node that only forwarded its own goal to one child gets R(v) = 0 (as
@@ -84,7 +89,8 @@ class LearnerConfig:
   train_nodes: str = "all"
   depth_weights: bool = True
   bonus: str = "rate"
-  baseline: str = "loo"
+  baseline: str = "loo_success"
+  drop_equal_groups: bool = True
   node_rewards: str = "dense"
   pass_through_gate: bool = False
   child_keep_prob: float = 1.0
@@ -129,13 +135,14 @@ class LearnerConfig:
     if self.train_nodes not in rewards.TRAIN_NODES:
       raise _bad("train_nodes", self.train_nodes, f"choose one of {rewards.TRAIN_NODES} (\"all\" "
                  "is RAO).")
-    for name in ("depth_weights", "pass_through_gate"):
+    for name in ("depth_weights", "pass_through_gate", "drop_equal_groups"):
       if not isinstance(getattr(self, name), bool):
         raise _bad(name, getattr(self, name), "must be True or False.")
     for name, allowed in (("bonus", rewards.BONUSES), ("baseline", rewards.BASELINES),
                           ("node_rewards", rewards.NODE_REWARDS)):
       if getattr(self, name) not in allowed:
-        raise _bad(name, getattr(self, name), f"choose one of {allowed} ({allowed[0]!r} is RAO).")
+        raise _bad(name, getattr(self, name), f"choose one of {allowed} ({allowed[0]!r} is the "
+                   "default).")
     if not (isinstance(self.child_keep_prob, (int, float))
             and 0 < self.child_keep_prob <= 1):
       raise _bad("child_keep_prob", self.child_keep_prob, "must be in (0, 1] (1.0 keeps every "

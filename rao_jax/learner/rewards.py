@@ -1,12 +1,41 @@
 """RAO rewards, leave-one-out advantages and depth-level inverse-frequency weights (numpy).
 
-Implements RAO_SPEC exactly:
+Implements RAO_SPEC:
 
   s(v)  success from the first available source: verifier, judge, else the proxy s(root).
   R(v)  = s(v) + lambda * mean_{c in C(v)} s(c)   (= s(v) for a leaf)
-  b_k   = (1 / (K - 1)) * sum_{j != k} R(r_j)     over the K trees of one group
+  b_k   = (1 / (K - 1)) * sum_{j != k} s(r_j)     default "loo_success", over the K trees of a
+                                                  group (the paper's "loo" uses R(r_j))
   A(v)  = R(v) - b_k                              for every node of tree k
   w_d   = N / (D' * n_d)                          over the whole learner batch
+  A group whose K roots all got the same R contributes no term (`drop_equal_groups`).
+
+The baseline's scale (RAO_SPEC, "The baseline's scale when lambda > 0"). The paper's baseline
+averages the other roots' R, which reaches 1 + lambda when their helpers succeed, while a leaf
+can earn at most 1: in a group where every tree succeeds, every successful leaf then gets
+A = -lambda and only launching helpers escapes it. The default "loo_success" subtracts the
+leave-one-out mean of the other roots' SUCCESS s(r_j), the part of R that every node can earn,
+whether it delegates or not; the bonus lambda * mean s(c) is left uncentred, so it is paid
+exactly to nodes whose helpers succeeded. Properties (tests/test_learner_rewards.py):
+  - unbiased: b_k is built from the other trees of the group only, which are sampled
+    independently of tree k, so E[grad log pi(tau_v) * b_k] = 0 for every node v of tree k and
+    the expected gradient is that of the objective sum_v R(v), bonus included. The variance it
+    leaves: the bonus term is not centred, so delegation that pays is pushed up even in a group
+    where every tree delegated alike (lambda sets how hard);
+  - when every root of a group succeeded, b_k = 1 and no successful leaf has A < 0;
+  - a successful root whose helpers succeeded gets lambda * mean s(c) more than one that
+    worked alone, in the same group;
+  - at lambda = 0, s(r_j) = R(r_j) and it is the paper's estimator;
+  - K alike trees (same shapes, same successes) have equal root rewards, so their group is
+    dropped (`drop_equal_groups`) and every node gets A = 0.
+Dropping equal groups is what the RAO authors' code does. It is the one departure from the
+leave-one-out property: whether a group is kept looks at every tree of it, tree k included.
+At a root it changes nothing (an equal group's roots have A = 0 under either baseline); for a
+descendant it drops a term R(v) - b_k whose expectation, with b_k = R(root) in such a group,
+is not a comparison between trees. A learner batch whose kept nodes all have A = 0 carries no
+signal (`Advantages.has_signal`): the trainer then applies no optimizer update (Adam normalises
+each coordinate, so a near-zero gradient would still move every weight by about the learning
+rate).
 
 Host-side only: trees are Python records, the result is numpy arrays aligned with the flat node
 order (tree order, then node order inside each tree, root first) that `pack_trees` consumes.
@@ -32,8 +61,12 @@ SOURCES = ("verifier", "judge", "proxy")
 #   bonus "rate": lambda * mean_{c in C(v)} s(c) (RAO);  "count": lambda * sum_{c in C(v)} s(c),
 #     the number of successful children (the paper's Fig. 9 variant that the policy hacked by
 #     spawning more helpers).
-#   baseline "loo": b_k = (1/(K-1)) sum_{j != k} R(r_j) (RAO);  "group_mean": b_k = (1/K)
-#     sum_j R(r_j), the tree's own root included (GRPO's mean).
+#   baseline "loo_success": b_k = (1/(K-1)) sum_{j != k} s(r_j) (the default: on the scale of
+#     what a leaf can earn, see the module docstring);  "loo": b_k = (1/(K-1)) sum_{j != k}
+#     R(r_j) (the paper's);  "group_mean": b_k = (1/K) sum_j R(r_j), the tree's own root
+#     included (GRPO's mean).
+#   drop_equal_groups True: a group whose roots all got the same R contributes no term (the
+#     RAO authors' filter);  False: its nodes keep A(v) = R(v) - b_k (RAO as first specified).
 #   node_rewards "dense": s(v) per node (RAO);  "root": s(v) := s(root) for every node, so a
 #     node's reward says only how its tree ended (the paper's root-only rewards, Fig. 8).
 #   pass_through_gate False (RAO as specified);  True: a node whose only child was given the
@@ -46,7 +79,7 @@ SOURCES = ("verifier", "judge", "proxy")
 ADVANTAGES = ("node", "tree")
 TRAIN_NODES = ("all", "root")
 BONUSES = ("rate", "count")
-BASELINES = ("loo", "group_mean")
+BASELINES = ("loo_success", "loo", "group_mean")
 NODE_REWARDS = ("dense", "root")
 
 
@@ -63,9 +96,10 @@ class Advantages:
     source_N: the source that produced s(v): "verifier" | "judge" | "proxy".
     reward_N: R(v).
     baseline_N: b_k of the node's tree.
-    advantage_N: A(v) = R(v) - b_k.
+    advantage_N: A(v) = R(v) - b_k (0 in a dropped group).
     weight_N: w_{d(v)} (0 for nodes that are not trained, see `train_N`).
-    train_N: whether the node is a term of the loss (all nodes, or the roots only).
+    train_N: whether the node is a term of the loss (all nodes, or the roots only; never the
+      nodes of a dropped equal group).
     stats: flat dict of logging scalars (see `compute_rewards_and_advantages`).
   """
   tree_ids: tuple[str, ...]
@@ -89,6 +123,11 @@ class Advantages:
   @property
   def num_nodes(self) -> int:
     return len(self.node_ids)
+
+  @property
+  def has_signal(self) -> bool:
+    """Whether some node of the learner batch has w_d * A(v) != 0 (else no update is due)."""
+    return bool(np.any(self.weight_N * self.advantage_N != 0))
 
   @property
   def weighted_advantage_N(self) -> np.ndarray:
@@ -169,7 +208,8 @@ def _keep_seed(trees, seed: int) -> list[int]:
 def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
                                    advantage: str = "node", train_nodes: str = "all",
                                    depth_weights: bool = True, bonus: str = "rate",
-                                   baseline: str = "loo", node_rewards: str = "dense",
+                                   baseline: str = "loo_success",
+                                   drop_equal_groups: bool = True, node_rewards: str = "dense",
                                    pass_through_gate: bool = False,
                                    child_keep_prob: float = 1.0,
                                    seed: int = 0) -> Advantages:
@@ -185,8 +225,11 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
     train_nodes: "all" (RAO) or "root" (children leave the learner batch: an ablation).
     depth_weights: RAO's inverse-frequency depth weights (True) or w = 1 (an ablation).
     bonus: "rate" (RAO: lambda * mean of the children's s) or "count" (lambda * their sum).
-    baseline: "loo" (RAO's leave-one-out mean of the other roots' R) or "group_mean" (the mean
-      of all K roots' R, the tree's own included).
+    baseline: "loo_success" (the leave-one-out mean of the other roots' success s(r_j): the
+      default, on a leaf's scale), "loo" (the paper's leave-one-out mean of the other roots'
+      R) or "group_mean" (the mean of all K roots' R, the tree's own included).
+    drop_equal_groups: a group whose roots all got the same R contributes no term: its nodes
+      get A = 0 and leave the learner batch (the RAO authors' filter).
     node_rewards: "dense" (RAO: each node's own s(v)) or "root" (every node takes s(root)).
     pass_through_gate: R(v) = 0 for a node that only forwarded its own goal to one child.
     child_keep_prob: in (0, 1]: the probability that a non-root node stays in the learner
@@ -197,8 +240,11 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
     Advantages, whose `stats` holds (flat keys, float values): `num_trees`, `num_groups`,
     `num_nodes`, `nodes/depth_d`, `reward/depth_d`, `success/depth_d`, `weight/depth_d`,
     `source_frac/<source>`, `groups_all_equal` and `groups_all_equal_frac` (groups whose root
-    rewards are all equal: every advantage in them is R(v) - R(root), zero at the roots),
-    `root_reward_mean`, `advantage_abs_mean`, `max_depth`, `pass_through_nodes` (nodes that
+    rewards are all equal: dropped with `drop_equal_groups`, else every advantage in them is
+    R(v) - R(root), zero at the roots), `groups_dropped`, `signal` (1 when some trained node
+    has w_d * A != 0),
+    `root_reward_mean`, `advantage_abs_mean` (over every node, dropped ones at 0),
+    `advantage_abs_mean_trained` (over the nodes in the learner batch), `max_depth`, `pass_through_nodes` (nodes that
     only forwarded their own goal to one child) and `train_nodes` (nodes in the learner batch).
 
   Raises:
@@ -214,6 +260,8 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
                                ("node_rewards", node_rewards, NODE_REWARDS)):
     if value not in allowed:
       raise ValueError(f"{name}={value!r}: use one of {allowed} ({allowed[0]!r} is RAO).")
+  if not isinstance(drop_equal_groups, bool):
+    raise ValueError(f"drop_equal_groups={drop_equal_groups!r}: must be True or False.")
   if not (isinstance(child_keep_prob, (int, float)) and 0 < child_keep_prob <= 1):
     raise ValueError(f"child_keep_prob={child_keep_prob!r}: must be in (0, 1] (1 keeps every "
                      "node; the RAO authors' code keeps children with 0.25).")
@@ -226,7 +274,7 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
                      "one group of K >= 2 trees.")
 
   tree_ids, node_ids, tree_index, depths, succs, sources, rewards = [], [], [], [], [], [], []
-  root_reward = []
+  root_reward, root_success = [], []
   passes = []   # per node: it only forwarded its own goal to one child
   seen_tree_ids = set()
   for k, tree in enumerate(trees):
@@ -258,6 +306,7 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
       node_ids.append(node.node_id)
       tree_index.append(k)
     root_reward.append(rewards[len(rewards) - len(tree.nodes)])
+    root_success.append(reward_s[0])
     depths.extend(depth)
     succs.extend(succ)
     sources.extend(src)
@@ -267,6 +316,7 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
   for k, tree in enumerate(trees):
     groups.setdefault(tree.group_id, []).append(k)
   baseline_tree = np.zeros(len(trees))
+  dropped_tree = np.zeros(len(trees), bool)
   groups_all_equal = 0
   for gid, members in groups.items():
     if len(members) < 2:
@@ -275,12 +325,15 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
           "trees per root task. Fix: set the group size (config rl.group_size) to >= 2 and keep "
           "all K trees of a task in the same learner batch.")
     roots = np.array([root_reward[k] for k in members])
-    total = roots.sum()
-    for k, r in zip(members, roots):
-      baseline_tree[k] = ((total - r) / (len(members) - 1) if baseline == "loo"
-                          else total / len(members))
+    # What the baseline averages: the roots' successes (on a leaf's scale) or their rewards.
+    base = np.array([root_success[k] for k in members]) if baseline == "loo_success" else roots
+    total = base.sum()
+    for k, r in zip(members, base):
+      baseline_tree[k] = (total / len(members) if baseline == "group_mean"
+                          else (total - r) / (len(members) - 1))
     if np.all(roots == roots[0]):
       groups_all_equal += 1
+      dropped_tree[members] = drop_equal_groups
 
   tree_index_N = np.asarray(tree_index, np.int32)
   depth_N = np.asarray(depths, np.int32)
@@ -294,6 +347,9 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
     root_index_N = np.asarray([first[k] for k in tree_index], np.int64)
     advantage_N = advantage_N[root_index_N]
   train_N = np.ones(len(depth_N), bool) if train_nodes == "all" else depth_N == 0
+  dropped_N = dropped_tree[tree_index_N]
+  advantage_N = np.where(dropped_N, 0.0, advantage_N)
+  train_N &= ~dropped_N
   if child_keep_prob < 1:
     # One draw per node in flat order, roots included, so a node's draw does not depend on
     # how many children came before it in other trees.
@@ -305,6 +361,7 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
   n = len(depth_N)
   levels, counts = np.unique(depth_N, return_counts=True)
   t_levels, t_counts = np.unique(depth_N[train_N], return_counts=True)
+  # Every node dropped: no level is populated and no weight is due (the batch has no signal).
   n_train = int(train_N.sum())
   w_of_depth = {int(d): (n_train / (len(t_levels) * c) if depth_weights else 1.0)
                 for d, c in zip(t_levels, t_counts)}
@@ -319,8 +376,11 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
       "max_depth": float(depth_N.max()),
       "groups_all_equal": float(groups_all_equal),
       "groups_all_equal_frac": groups_all_equal / len(groups),
+      "groups_dropped": float(groups_all_equal if drop_equal_groups else 0),
       "root_reward_mean": float(np.mean(root_reward)),
       "advantage_abs_mean": float(np.mean(np.abs(advantage_N))),
+      "advantage_abs_mean_trained": (float(np.mean(np.abs(advantage_N[train_N])))
+                                     if n_train else 0.0),
       "pass_through_nodes": float(sum(passes)),
       "train_nodes": float(n_train),
   }
@@ -333,8 +393,10 @@ def compute_rewards_and_advantages(trees: Sequence[Any], lam: float = 0.5, *,
   for s in SOURCES:
     stats[f"source_frac/{s}"] = sum(1 for x in sources if x == s) / n
 
-  return Advantages(
+  out = Advantages(
       tree_ids=tuple(tree_ids), node_ids=tuple(node_ids), tree_index_N=tree_index_N,
       depth_N=depth_N, success_N=success_N, source_N=tuple(sources), reward_N=reward_N,
       baseline_N=baseline_N, advantage_N=advantage_N, weight_N=weight_N, stats=stats,
       train_N=train_N)
+  stats["signal"] = float(out.has_signal)
+  return out

@@ -416,7 +416,8 @@ class Learner:
     return compute_rewards_and_advantages(
         trees, lam=cfg.lam, advantage=cfg.advantage, train_nodes=cfg.train_nodes,
         depth_weights=cfg.depth_weights, bonus=cfg.bonus, baseline=cfg.baseline,
-        node_rewards=cfg.node_rewards, pass_through_gate=cfg.pass_through_gate,
+        drop_equal_groups=cfg.drop_equal_groups, node_rewards=cfg.node_rewards,
+        pass_through_gate=cfg.pass_through_gate,
         child_keep_prob=cfg.child_keep_prob, seed=cfg.seed)
 
   def prepare(self, trees) -> tuple[PackedBatch, Advantages]:
