@@ -153,6 +153,17 @@ _SCALES = {
                      train="medium", lr=3e-4, slots=32, budget=8, max_depth=4,
                      max_live_agents=64, max_new_tokens=512, rl_temperature=0.4,
                      lora_rank=8, lora_alpha=16.0, task_weights="target_items:2=3"),
+    # cpu_lora's warm start and RL shapes with a validation split: the last 16 of the 100
+    # medium train tasks never become demonstrations nor RL tasks, and the RL stage checks the
+    # policy on them greedily after every step (`eval.split = "val"`). The RL recipe (lr, lam,
+    # steps, group, grad clip, KL) is chosen on that split and the drift metrics (--recipe),
+    # never on the held-out tasks.
+    "cpu_rao": dict(caps_tasks=100, eval_tasks=64, sft_steps=8, demos=16, sft_trees=2,
+                    rl_steps=4, tasks_per_step=4, group=4, ctx=2048, eval_diff="medium",
+                    train="medium", lr=3e-4, slots=32, budget=8, max_depth=4,
+                    max_live_agents=64, max_new_tokens=512, rl_temperature=0.4,
+                    lora_rank=8, lora_alpha=16.0, task_weights="target_items:2=3",
+                    val_tasks=16),
     "gpu": dict(caps_tasks=200, eval_tasks=200, sft_steps=150, demos=256, sft_trees=8,
                 rl_steps=40, tasks_per_step=8, group=8, ctx=8192, eval_diff="hard",
                 train="medium", lr=2e-6, slots=64, budget=8, max_depth=8,
@@ -169,6 +180,7 @@ def config_for(mode: str, s: dict):
   c.agent.max_depth = s["max_depth"]
   c.agent.max_live_agents = s["max_live_agents"]
   c.agent.max_new_tokens = s["max_new_tokens"]   # the budget program's cell is ~395 tokens
+  c.env.val_tasks = s.get("val_tasks", 0)
   # RL rollouts sample at this temperature (the learner's log-probs use the same). It was set
   # below 1.0 while a sampler defect (since fixed: the Gumbel noise could be +inf) drew about
   # one token in 340 at random, which broke every sampled ~390-token cell at any temperature
@@ -368,7 +380,9 @@ async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
                          local_exec.LocalReplPool(cell_timeout_s=None), greedy=True)
   kept = []
   for diff in dict.fromkeys((s["train"], "easy")):
-    tasks = X.task_split(env, "train", diff)
+    # The validation split (config.env.val_tasks) is never a demonstration.
+    tasks = (X.train_and_val_tasks(env, config)[0] if diff == config.env.train_difficulty
+             else X.task_split(env, "train", diff))
     order = np.random.default_rng([int(config.seed), 7]).permutation(len(tasks))
     trees = await runner.run_tasks([tasks[i] for i in order])
     kept += [t for t in trees if (t.root.success or 0.0) >= 1.0][:s["demos"] - len(kept)]

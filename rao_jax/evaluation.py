@@ -218,7 +218,14 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
                              recursive=mode == "recursive", greedy=True)
       per_mode = {}
       for diff in diffs:
-        tasks = X.eval_tasks(env, diff, n)
+        # "val": the run's validation split of train tasks (config.env.val_tasks), where a
+        # recipe or a checkpoint is chosen without consulting the held-out tasks.
+        tasks = (X.train_and_val_tasks(env, config)[1][:n] if diff == "val"
+                 else X.eval_tasks(env, diff, n))
+        if not tasks:
+          raise ValueError(f"No tasks to evaluate for {diff!r}" + (
+              ": the run has no validation split (config.env.val_tasks = 0)."
+              if diff == "val" else "."))
         t0 = time.perf_counter()
         progress = RolloutProgress(runner, 0, len(tasks), PROGRESS_EVERY_S,
                                    label=f"eval {title} {mode} {diff}")

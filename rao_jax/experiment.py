@@ -75,6 +75,38 @@ def task_split(env: env_base.Environment, split: str, difficulty: str | None) ->
   return tasks
 
 
+def train_and_val_tasks(env: env_base.Environment, config
+                        ) -> tuple[list[env_base.Task], list[env_base.Task]]:
+  """The train split of `config.env.train_difficulty`, cut in two: the tasks RL and the
+  supervised demonstrations draw from, and the validation split (`config.env.val_tasks`, the
+  last N train tasks) that a recipe or a checkpoint is chosen on, so that the held-out test
+  tasks are never consulted. With val_tasks = 0 the validation split is empty."""
+  tasks = task_split(env, "train", config.env.train_difficulty)
+  n_val = int(config.env.get("val_tasks", 0))
+  if not 0 <= n_val < len(tasks):
+    raise ValueError(f"config.env.val_tasks={n_val}: must be in [0, {len(tasks)}) (the train "
+                     f"split of {config.env.train_difficulty!r} has {len(tasks)} tasks and "
+                     "RL needs some of them).")
+  return tasks[:len(tasks) - n_val], tasks[len(tasks) - n_val:]
+
+
+def evaluation_sets(env: env_base.Environment, config) -> list[tuple[str, list[env_base.Task]]]:
+  """(name, tasks) of each in-loop evaluation set: `config.eval.split` "test" gives the first
+  `eval.num_tasks` held-out tasks of each of `env.eval_difficulties` (named by difficulty),
+  "val" the first `eval.num_tasks` tasks of the validation split (named "val")."""
+  split, n = str(config.eval.get("split", "test")), int(config.eval.num_tasks)
+  if split == "val":
+    val = train_and_val_tasks(env, config)[1]
+    if not val:
+      raise ValueError("config.eval.split='val' needs a validation split: set "
+                       "config.env.val_tasks > 0 (train tasks held out of RL and demos).")
+    return [("val", val[:n])]
+  if split != "test":
+    raise ValueError(f"config.eval.split={split!r}: use 'test' (held-out tasks) or 'val' (the "
+                     "validation split of train tasks, config.env.val_tasks).")
+  return [(diff, eval_tasks(env, diff, n)) for diff in config.env.eval_difficulties]
+
+
 def train_tasks_for_step(tasks: Sequence[env_base.Task], step: int, n: int,
                          seed: int, weights: str = "") -> list[env_base.Task]:
   """The root tasks of RL step `step`: a pure function of (seed, step), so a resumed run

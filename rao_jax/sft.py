@@ -67,8 +67,8 @@ def sft_advantages(trees: Sequence[R.TreeRecord]) -> rewards_lib.Advantages:
 
 def demonstration_tasks(config, env) -> list:
   """The training tasks whose scripted trees become demonstrations (config.sft.num_demos of
-  them, drawn without replacement from the seed)."""
-  tasks = X.task_split(env, "train", config.env.train_difficulty)
+  them, drawn without replacement from the seed; never the validation split)."""
+  tasks = X.train_and_val_tasks(env, config)[0]
   rng = np.random.default_rng([int(config.seed), 7])
   pick = rng.choice(len(tasks), size=min(int(config.sft.num_demos), len(tasks)), replace=False)
   return [tasks[i] for i in pick]

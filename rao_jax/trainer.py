@@ -176,7 +176,8 @@ class Trainer:
     if self.main:
       X.save_config(config, self.workdir)
     self.env = X.make_env(config)
-    self.train_tasks = X.task_split(self.env, "train", config.env.train_difficulty)
+    self.train_tasks = X.train_and_val_tasks(self.env, config)[0]
+    self.eval_sets = X.evaluation_sets(self.env, config)   # a bad split fails here
     if self.rl.task_weights:   # a bad rule fails here, not at the first step's rollouts
       X.task_weights(self.train_tasks, self.rl.task_weights)
     model, self.tokenizer = X.load_policy(config)
@@ -323,14 +324,14 @@ class Trainer:
         "Running the same command again resumes.")
 
   async def evaluate(self, repls, step: int) -> dict[str, float]:
-    """Greedy held-out evaluation per difficulty; writes trees and an HTML page."""
+    """Greedy evaluation of each set (held-out tasks per difficulty, or the validation split:
+    `config.eval.split`); writes trees and an HTML page."""
     c = self.config
     runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls, greedy=True,
                            seed=int(c.env.eval_seed),
                            judge=X.make_judge(c, "eval", self.engine, self.tokenizer))
     out, all_trees = {}, []
-    for diff in c.env.eval_difficulties:
-      tasks = X.eval_tasks(self.env, diff, int(c.eval.num_tasks))
+    for diff, tasks in self.eval_sets:
       trees = await runner.run_tasks(tasks, group_size=1)
       if engine_failure(trees) is not None:
         raise self._engine_failed(engine_failure(trees), step, f"the evaluation after step {step}")

@@ -49,6 +49,8 @@ def base_config() -> config_dict.ConfigDict:
   c.env.train_difficulty = "medium"  # difficulty of training tasks
   c.env.eval_difficulties = ("medium", "hard")   # held-out evaluation sets
   c.env.train_seed = 1               # task generator seed for training tasks
+  c.env.val_tasks = 0                # the last N train tasks: a validation split that RL and
+                                     # demonstrations never draw (what a recipe is chosen on)
   c.env.eval_seed = 2                # sampling seed of held-out evaluation (when
                                      # agent.eval_temperature > 0); held-out tasks are the
                                      # environment's fixed test split
@@ -159,6 +161,7 @@ def base_config() -> config_dict.ConfigDict:
   c.eval = config_dict.ConfigDict()
   c.eval.every = 25                  # evaluate every N steps (and at the end); 0 = never
   c.eval.num_tasks = 16              # held-out tasks per difficulty
+  c.eval.split = "test"              # "test": held-out tasks | "val": the validation split
   c.eval.num_html_trees = 4          # trees rendered to HTML at each evaluation
 
   c.log = config_dict.ConfigDict()
