@@ -10,13 +10,15 @@
         scripted policy's demonstrations (the starting model cannot use the tools at all).
   [3/4] Greedy evaluation of the warm start on held-out tasks.
   [4/4] Two RAO steps, a checkpoint, and the same evaluation reloaded from it.
-It ends with a summary: success before and after RL, on how many tasks, and where the plots
-and tree pages are. Two RL steps of a 135M model on 2 CPU cores are far too few to move its
-held-out success; `experiments/learning_evidence.py` is the run that measures that.
+It ends with a summary a newcomer reads in seconds: what the micro-run learned, that every
+SmolLM2 stage ran, and the SmolLM2 held-out check as what it is (two tasks, counts with Wilson
+intervals: too few to show a gain or a loss). The experiment that measures RL's effect on
+SmolLM2 is `experiments/recursion_evidence.py` (docs/results/recursion.md).
 
   python -m experiments.demo [--workdir=demo_out]
 """
 import json
+import math
 import os
 import time
 
@@ -111,8 +113,13 @@ def main(argv):
   smol = {"rl_steps": rl_summary(os.path.join(root, "rl", "metrics.jsonl"))}
   for diff, b in before["modes"]["recursive"].items():
     a = after["modes"]["recursive"][diff]
-    smol[diff] = {"before_rl": round(b["success"], 3), "after_rl": round(a["success"], 3),
-                  "num_tasks": a["num_tasks"]}
+    n = a["num_tasks"]
+    smol[diff] = {"num_tasks": n, "before_rl": round(b["success"], 3),
+                  "after_rl": round(a["success"], 3),
+                  "solved_before_rl": round(b["success"] * n), "solved_after_rl":
+                  round(a["success"] * n),
+                  "wilson95_before_rl": [round(x, 3) for x in wilson(round(b["success"] * n), n)],
+                  "wilson95_after_rl": [round(x, 3) for x in wilson(round(a["success"] * n), n)]}
   outputs = {
       "delegation_plot": mic["plot"],
       "metrics": os.path.join(root, "rl", "metrics.jsonl"),
@@ -126,7 +133,7 @@ def main(argv):
             "smollm2_recursive": smol, "minutes": _minutes_since(t0),
             "stage_minutes": stages}
   print(json.dumps(result))
-  print_summary(mic, smol, outputs)
+  print_summary(mic, smol, outputs, sft_res)
   with open(os.path.join(root, DONE_FILE), "w", encoding="utf-8") as f:
     json.dump({**result, "outputs": outputs}, f, indent=1)
 
@@ -150,25 +157,53 @@ def _minutes_since(t: float) -> float:
   return round((time.time() - t) / 60, 1)
 
 
-def print_summary(mic: dict, smol: dict, outputs: dict) -> None:
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+  """Wilson score 95% interval of k successes in n; unlike the normal approximation (which
+  gives [-0.48, 1.48] on two tasks) it stays inside [0, 1]."""
+  if n <= 0:
+    return (0.0, 1.0)
+  p = k / n
+  den = 1 + z * z / n
+  mid = (p + z * z / (2 * n)) / den
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+  return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def print_summary(mic: dict, smol: dict, outputs: dict, sft_res: dict | None = None) -> None:
+  """Three points in the order a newcomer needs them: what RL taught (the micro-run, whose
+  curves mean something), that SmolLM2's real pipeline ran, and its held-out check led by its
+  size, so two tasks never read as a gain or a loss."""
   print("\nSummary")
-  print(f"  delegation micro-run ({mic['steps']} RL steps, mean of the first and of the last "
-        f"{mic['window']}): success {mic['success_first']:.2f} -> {mic['success_last']:.2f}, "
-        f"share of trees that delegate {mic['delegating_first']:.2f} -> "
-        f"{mic['delegating_last']:.2f}, helpers' success {mic['helpers_first']:.2f} -> "
-        f"{mic['helpers_last']:.2f} (one agent alone answers at most half a task)")
+  print(f"  1. RAO taught a tiny policy to delegate ({mic['steps']} RL steps; mean of the first "
+        f"and last {mic['window']}): success {mic['success_first']:.2f} -> "
+        f"{mic['success_last']:.2f}, trees that delegate {mic['delegating_first']:.2f} -> "
+        f"{mic['delegating_last']:.2f}, helpers right {mic['helpers_first']:.2f} -> "
+        f"{mic['helpers_last']:.2f}. One agent alone solves no task here.")
+  print(f"     plot: {outputs['delegation_plot']}")
+  steps = []
   for r in smol["rl_steps"]:
-    what = (f"updated in {r['learner_s']:.0f} s at {r['learner_tokens_per_s']:.0f} tokens/s"
-            if r["updated"] else "no update (every group had equal rewards)")
-    print(f"  SmolLM2 RL step {r['step']}: sampled success {r['sampled_success']:.2f}, learner "
-          f"{what}; rollouts {r['rollout_tokens_per_s']:.0f} generated tokens/s")
+    steps.append(f"step {r['step']} " + ("updated" if r["updated"] else
+                                         "skipped: no group had a signal"))
+  warm = ""
+  if sft_res and sft_res.get("steps_run"):
+    warm = (f"warm start on {sft_res['num_demos']} demonstrations (final NLL "
+            f"{sft_res['final_nll']:.2f}), ")
+  print(f"  2. SmolLM2-135M ran every stage on real weights: {warm}"
+        f"{len(smol['rl_steps'])} RL steps ({'; '.join(steps) or 'none'}), a checkpoint saved "
+        "and reloaded for evaluation.")
   for diff, r in smol.items():
     if diff == "rl_steps":
       continue
-    print(f"  SmolLM2-135M, recursive, {diff}: held-out success {r['before_rl']:.2f} before RL, "
-          f"{r['after_rl']:.2f} after 2 RL steps, on {r['num_tasks']} tasks (too few steps and "
-          "tasks to measure a change: see experiments/learning_evidence.py and "
-          "benchmarks/results/learning_evidence.json)")
+    n = r["num_tasks"]
+    lo_b, hi_b = r["wilson95_before_rl"]
+    lo_a, hi_a = r["wilson95_after_rl"]
+    print(f"  3. Its held-out check is {n} {diff} task{'s' if n != 1 else ''}, far too few to "
+          f"show a gain or a loss: {r['solved_before_rl']}/{n} solved before RL "
+          f"[{lo_b:.2f}, {hi_b:.2f}], {r['solved_after_rl']}/{n} after "
+          f"[{lo_a:.2f}, {hi_a:.2f}] (Wilson 95%). The experiment that measures RL on SmolLM2: "
+          "docs/results/recursion.md.")
+  print(f"     trees: {outputs['evaluation_before_rl']} (before), "
+        f"{outputs['evaluation_after_rl']} (after)")
   print("Outputs:")
   for k, v in outputs.items():
     print(f"  {k:22s} {v}")
