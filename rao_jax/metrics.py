@@ -232,7 +232,8 @@ def metric_label(key: str) -> str:
 def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
                 ) -> list[tuple[str, list[tuple[int, float]]]]:
   """(label, points) of each curve to draw. Curves with the same points are drawn once, under
-  a label naming all of them ("a = b"), so none hides under another."""
+  a label naming all of them ("a = b"), so none hides under another; a metric identical to its
+  own split by difficulty is named by the split alone."""
   if keys is None:
     keys = sorted({k for r in rows for k in r
                    if k != "step" and ("reward" in k or "success" in k or
@@ -241,10 +242,16 @@ def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
   merged: dict[tuple, list[str]] = {}
   for k in keys:
     pts = tuple((r["step"], r[k]) for r in rows if r.get(k) is not None)
-    labels = merged.setdefault(pts, []) if pts else None
-    if pts and metric_label(k) not in labels:
-      labels.append(metric_label(k))
-  return [(" = ".join(labels), list(pts)) for pts, labels in merged.items()]
+    if pts:
+      merged.setdefault(pts, []).append(k)
+  out = []
+  for pts, ks in merged.items():
+    # A metric and its one split ("train/success" and "train/success_easy" when every task is
+    # easy) are the same curve: name it once, by the split, not "success = success on easy".
+    ks = [k for k in ks if not any(o.startswith(k + "_") for o in ks)]
+    labels = list(dict.fromkeys(metric_label(k) for k in ks))
+    out.append((" = ".join(labels), list(pts)))
+  return out
 
 
 def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -> str | None:

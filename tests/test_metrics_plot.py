@@ -10,7 +10,7 @@ def test_identical_curves_are_drawn_once_under_every_name(tmp_path):
            "train/delegating_share": 1.0, "eval/success_hard": 0.25} for s in range(3)]
   series = dict(metrics.plot_series(rows))
   assert sorted(series) == sorted([
-      "success (sampled trees) = success on medium (sampled trees)",
+      "success on medium (sampled trees)",
       "root reward (sampled trees)",
       "share of trees delegating (sampled trees)",
       "success on hard (held-out, greedy)"])
