@@ -1,7 +1,8 @@
 """Kernels follow the LOWERING platform: the train step (float32 and bfloat16) and the embedded
 engine's prefill and decode programs export (``jax.export``) for ``cuda`` and ``tpu`` from this
-CPU host with no CPU-only custom call inside, and carry the platform's attention kernel; the
-same traces lowered for the CPU carry the MKL kernels (where they are enabled).
+CPU host with no CPU-only custom call inside, and carry the platform's attention kernel (the
+decode program its decode attention over live slots); the same traces lowered for the CPU carry
+the MKL kernels and the CPU decode kernel (where they are enabled).
 """
 import dataclasses
 import functools
@@ -16,7 +17,7 @@ from flax import nnx
 from rao_jax.learner import LearnerConfig
 from rao_jax.learner import step as step_lib
 from rao_jax.learner.testing import tiny_model_config
-from rao_jax.kernels import mkl
+from rao_jax.kernels import decode_cpu, mkl
 from rao_jax.model.transformer import Transformer
 from rao_jax.rollout.engine import programs
 
@@ -93,7 +94,7 @@ def _check_export(fn, args, platform):
       if platform == "cuda" else []
   exp = jax.export.export(fn, platforms=(platform,), disabled_checks=allowed)(*args)
   targets = _targets(exp.mlir_module())
-  assert not any(t.startswith("rao_mkl") for t in targets), targets
+  assert not any(t.startswith("rao_") for t in targets), targets   # rao_jax's CPU handlers
   assert targets <= set(PLATFORM_KERNELS.values()) | {"Sharding", "shape_assertion"}, targets
   return targets
 
@@ -118,5 +119,11 @@ def test_train_step_exports_for_gpu_and_tpu_with_their_kernels(mkl_on_host, dtyp
 @pytest.mark.parametrize("name", ["prefill", "decode"])
 def test_engine_programs_export_for_gpu_and_tpu(mkl_on_host, name, dtype):
   fn, args = _engine_programs(dtype, mkl_on_host)[name]
-  for platform in PLATFORM_KERNELS:
-    _check_export(fn, args, platform)
+  for platform, kernel in PLATFORM_KERNELS.items():
+    targets = _check_export(fn, args, platform)
+    if name == "decode":   # the platform's decode attention over each row's live slots
+      assert kernel in targets, (platform, targets)
+  cpu_targets = _targets(fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text())
+  decode_kernel = name == "decode" and mkl_on_host != "xla" and decode_cpu.available(mkl_on_host)
+  assert (decode_cpu.TARGET in cpu_targets) == decode_kernel, cpu_targets
+  assert not set(PLATFORM_KERNELS.values()) & cpu_targets

@@ -6,7 +6,10 @@ attention (``causal_attention``: the training forward's attention of packed rows
 Pallas splash on TPU, Pallas (Triton) flash on GPU, else XLA's blocked attention; and
 ``cached_attention``, XLA's attention against the KV cache), segments (the segment ids of packed
 rows and the shared prefixes they name: which key a query sees), mkl (building, loading and choosing
-the MKL kernels of ``csrc/``), mkl_attention (the MKL attention's forward and backward).
+the MKL kernels of ``csrc/``), mkl_attention (the MKL attention's forward and backward), decode
+(``decode_attention``: the engine's decode step over the cache slots each row holds; a C++ FFI
+kernel on CPU, Pallas on GPU and TPU, else XLA's masked attention), decode_cpu (building and
+calling that CPU kernel, ``csrc/decode_attention.cc``; no MKL).
 
 The CPU choice is the ``kernels`` argument ("auto" | "mkl" | "xla"), which the model passes from
 its static ``ModelConfig.kernels``: it is part of every trace's static configuration, so two
@@ -21,6 +24,7 @@ import importlib
 _EXPORTS = {
     "dense": "matmul", "causal_attention": "attention", "cached_attention": "attention",
     "MASK_VALUE": "attention", "MODES": "mkl", "CpuKernelsUnavailable": "mkl",
+    "decode_attention": "decode",
 }
 
 __all__ = sorted(_EXPORTS)

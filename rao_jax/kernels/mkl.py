@@ -106,51 +106,69 @@ def _cpu_vendor() -> str:
 
 
 def _sources() -> list[str]:
-  return sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.cc")) +
+  # The MKL handlers only: csrc/ also holds kernels without MKL (decode_cpu.py builds those).
+  return sorted(glob.glob(os.path.join(_SOURCE_DIR, "mkl_*.cc")) +
                 glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
 
 
-def _build() -> str:
-  """Path of the compiled kernel library, compiling it if this machine has none yet."""
-  if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-    raise CpuKernelsUnavailable(f"MKL needs x86-64 Linux, this is {platform.system()} "
-                                f"{platform.machine()}")
-  lib_dir = _mkl_lib_dir()
-  libs = [_lib_file(lib_dir, n) for n in _MKL_LIBS]
+def compile_library(tag: str, sources: list[str], flags: list[str], link: list[str],
+                    key_parts: list[bytes] = ()) -> str:
+  """Path of a shared library of XLA FFI handlers compiled from ``sources`` (``.cc`` files
+  compiled, headers only hashed) for this CPU, compiling it if this machine has none yet.
+
+  The library is named by a hash of the sources, the compiler, the flags, this CPU's flags and
+  jax's version (``key_parts`` adds the caller's), so an edit or another machine gets its own.
+
+  Raises:
+    CpuKernelsUnavailable: no C++ compiler, or the compilation failed (the message has its
+      command and the compiler's last output).
+  """
   cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if not cxx:
     raise CpuKernelsUnavailable("no C++ compiler found (apt-get install g++, or set CXX)")
-  sources = _sources()
   # The CPU's flags are part of the key: the library is built for this CPU (-march=native), and
   # a home folder shared by machines with other CPUs must not load it there.
-  parts = [jax.__version__.encode(), lib_dir.encode(), cxx.encode(), cpuinfo("flags").encode(),
-           *(l.encode() for l in libs)]
+  parts = [jax.__version__.encode(), cxx.encode(), cpuinfo("flags").encode(),
+           *(f.encode() for f in flags + link), *key_parts]
   for path in sources:
     with open(path, "rb") as f:
       parts += [os.path.basename(path).encode(), f.read()]
   key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-  out = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
+  out = os.path.join(_cache_dir(), f"{tag}-{key}.so")
   if os.path.exists(out):
     return out
   os.makedirs(_cache_dir(), exist_ok=True)
   # Compiled to a temporary name and renamed: processes building at once never load half a file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
   os.close(fd)
-  # -ffast-math lets the softmax loops call the vectorised expf of glibc's libmvec; the kernels
-  # never meet infinities or NaNs of their own making (masked scores are skipped, not -inf).
-  cmd = [cxx, "-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w",
-         f"-I{jax.ffi.include_dir()}", *(s for s in sources if s.endswith(".cc")), "-o", tmp,
-         f"-L{lib_dir}", *(f"-l:{l}" for l in libs), "-lmvec", f"-Wl,-rpath,{lib_dir}"]
+  cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+         *(s for s in sources if s.endswith(".cc")), "-o", tmp, *link]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-      raise CpuKernelsUnavailable(f"compiling {_SOURCE_DIR} failed ({' '.join(cmd)}):\n"
-                                  f"{proc.stderr[-2000:]}")
+      names = " ".join(os.path.basename(s) for s in sources if s.endswith(".cc"))
+      raise CpuKernelsUnavailable(f"compiling {names} from {os.path.dirname(sources[0])} "
+                                  f"failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
   return out
+
+
+def _build() -> str:
+  """Path of the compiled MKL kernel library, compiling it if this machine has none yet."""
+  if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+    raise CpuKernelsUnavailable(f"MKL needs x86-64 Linux, this is {platform.system()} "
+                                f"{platform.machine()}")
+  lib_dir = _mkl_lib_dir()
+  libs = [_lib_file(lib_dir, n) for n in _MKL_LIBS]
+  # -ffast-math lets the softmax loops call the vectorised expf of glibc's libmvec; the kernels
+  # never meet infinities or NaNs of their own making (masked scores are skipped, not -inf).
+  return compile_library(
+      "cpu_kernels", _sources(), ["-O3", "-march=native", "-ffast-math"],
+      [f"-L{lib_dir}", *(f"-l:{l}" for l in libs), "-lmvec", f"-Wl,-rpath,{lib_dir}"],
+      [lib_dir.encode()])
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rao_jax.kernels import attention
+from rao_jax.kernels import attention, decode
 from rao_jax.kernels.matmul import dense
 from rao_jax.model import lora as lora_lib
 from rao_jax.model.config import ModelConfig, rope_inv_freq
@@ -451,7 +451,9 @@ class CachedForward:
     rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way). Given
     rows_B (the engine's prefill of scattered slots), only the new keys and values are
     scattered into the full cache; repeated rows must carry identical inputs. Attention reads
-    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU).
+    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU); a
+    decode step (T = 1, rows [0, B)) reads only the slots each row holds
+    (``rao_jax.kernels.decode``: the platform's kernel, XLA's masked attention elsewhere).
     Jittable with the cache donated, so the writes happen in place; S is a static shape.
 
     Returns:
@@ -475,8 +477,12 @@ class CachedForward:
       # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
       ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
       vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
-      attn = attention.cache_rows_attention(q, ks[i], vs[i], visible_BxTxS, dt,
-                                            rows_B if gather else None)
+      if T == 1 and not gather:
+        # The engine's decode: each row reads only the slots it holds (the platform's kernel).
+        attn = decode.decode_attention(q, ks[i], vs[i], start_B, kernels=cfg.kernels)
+      else:
+        attn = attention.cache_rows_attention(q, ks[i], vs[i], visible_BxTxS, dt,
+                                              rows_B if gather else None)
       x = _post_attention(cfg, p, x, attn)
     return rms_norm(x, params["final_norm"], cfg.rms_eps), {"k": ks, "v": vs}
 

@@ -1,0 +1,198 @@
+// Attention of a few new queries per row over the KV cache slots that row holds, float32 or
+// bfloat16, for rao_jax/kernels/decode.py: one XLA FFI handler, run over XLA's intra-op pool
+// (parallel_for.h), one task per (row, kv head).
+//
+// Why a kernel: XLA's attention against the cache reads every slot of the cache's length
+// bucket for every row and masks the ones past the row's length; the engine's rows hold a
+// fraction of the bucket (the held-out evaluation's rows: at most 925 positions, mean 703, in
+// buckets of 1,024 and 2,048). Here row b reads slots [0, start[b] + T) and nothing else.
+//
+// Layouts are the model's cache layouts (rao_jax/model/transformer.py init_cache), read in
+// place: keys [N, K, h, S] (each (row, head) an h x S row-major matrix, so the scores are axpys
+// over contiguous runs of S), values [N, K, S, h]; queries [B, T, H, h] with H = K * g (query
+// head hd belongs to kv head hd / g). Query t of row b reads cache row rows[b] and sees slots
+// j <= start[b] + t. The arithmetic follows XLA's (rao_jax.kernels.attention.cached_attention)
+// so greedy decoding picks the same tokens: q scaled by h^-1/2 and rounded to the cache's
+// dtype, scores in float32, softmax as exp(s - max) / sum, probabilities rounded to the cache's
+// dtype before the product with the values, accumulated in float32.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as XLA converts float32 to bfloat16 (the kernel never meets NaN).
+inline uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Element access for the two cache dtypes: float32 as is, bfloat16 widened on load.
+struct F32Io {
+  using T = float;
+  static float Load(const float* p, int64_t i) { return p[i]; }
+  static void Store(float* p, int64_t i, float x) { p[i] = x; }
+  static float Round(float x) { return x; }
+};
+struct Bf16Io {
+  using T = uint16_t;
+  static float Load(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
+  static void Store(uint16_t* p, int64_t i, float x) { p[i] = F32ToBf16(x); }
+  static float Round(float x) { return Bf16ToF32(F32ToBf16(x)); }
+};
+
+struct Dims {
+  int64_t B, T, H, h, N, K, S;
+};
+
+ffi::Error CheckDims(ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                     ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::S32>& start,
+                     ffi::Result<ffi::AnyBuffer>& out, Dims* d) {
+  auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions();
+  if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4) {
+    return ffi::Error::InvalidArgument("rao_decode_attention: q, k and v must be 4-D");
+  }
+  *d = {dq[0], dq[1], dq[2], dq[3], dk[0], dk[1], dk[3]};
+  bool ok = d->K > 0 && d->H % d->K == 0 && dk[2] == d->h && dv[0] == d->N && dv[1] == d->K &&
+            dv[2] == d->S && dv[3] == d->h;
+  ok = ok && rows.element_count() == d->B && start.element_count() == d->B;
+  ok = ok && out->element_count() == q.element_count();
+  ok = ok && q.element_type() == k.element_type() && k.element_type() == v.element_type() &&
+       out->element_type() == q.element_type();
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "rao_decode_attention: expected q [B, T, H, h], k [N, K, h, S], v [N, K, S, h], "
+        "rows and start [B] (int32), one dtype, K | H");
+  }
+  return ffi::Error::Success();
+}
+
+thread_local std::vector<float> tls_scores, tls_q, tls_acc;
+
+float* Scratch(std::vector<float>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+template <typename Io>
+ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
+               const typename Io::T* pk, const typename Io::T* pv, const int32_t* rows,
+               const int32_t* start, typename Io::T* po, float scale) {
+  const int64_t B = d.B, T = d.T, H = d.H, h = d.h, N = d.N, K = d.K, S = d.S, g = H / K;
+  for (int64_t b = 0; b < B; ++b) {
+    if (rows[b] < 0 || rows[b] >= N || start[b] < 0) {
+      return ffi::Error::InvalidArgument(
+          "rao_decode_attention: row " + std::to_string(b) + " reads cache row " +
+          std::to_string(rows[b]) + " from position " + std::to_string(start[b]) +
+          ", outside the cache's " + std::to_string(N) + " rows");
+    }
+  }
+  // Task t: (row b, kv head kv). It reads that row's keys and values once for all g * T
+  // queries of the head group, and owns the output of those queries.
+  rao_jax::ParallelFor(pool, B * K, [=](int64_t t) {
+    const int64_t b = t / K, kv = t % K;
+    const int64_t r = rows[b];
+    // Slots this task reads: the last query sees start + T - 1; slots past S were never
+    // written (the caller keeps start + T <= S; a longer row is cut at S as XLA's mask does).
+    const int64_t n = std::min<int64_t>(S, start[b] + T);
+    const int64_t m = T * g;   // query rows of the group: (t, head j) at t * g + j
+    float* qs = Scratch(tls_q, m * h);
+    float* s = Scratch(tls_scores, m * std::max<int64_t>(n, 1));
+    float* acc = Scratch(tls_acc, h);
+    for (int64_t qt = 0; qt < T; ++qt) {
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t src = ((b * T + qt) * H + kv * g + j) * h;
+        for (int64_t c = 0; c < h; ++c) {
+          qs[(qt * g + j) * h + c] = Io::Round(Io::Load(pq, src + c) * scale);
+        }
+      }
+    }
+    // scores[i, :n] = q_i . k[:, :n], by axpys over the key matrix's contiguous rows.
+    std::fill(s, s + m * n, 0.0f);
+    const typename Io::T* kb = pk + (r * K + kv) * h * S;
+    for (int64_t c = 0; c < h; ++c) {
+      const typename Io::T* krow = kb + c * S;
+      for (int64_t i = 0; i < m; ++i) {
+        const float qc = qs[i * h + c];
+        float* si = s + i * n;
+        for (int64_t j = 0; j < n; ++j) si[j] += qc * Io::Load(krow, j);
+      }
+    }
+    const typename Io::T* vb = pv + (r * K + kv) * S * h;
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t qt = i / g, head = kv * g + i % g;
+      const int64_t last = std::min<int64_t>(n, start[b] + qt + 1);   // slots this query sees
+      float* si = s + i * n;
+      float mx = si[0];
+      for (int64_t j = 1; j < last; ++j) mx = std::max(mx, si[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < last; ++j) {
+        si[j] = std::exp(si[j] - mx);
+        sum += si[j];
+      }
+      std::fill(acc, acc + h, 0.0f);
+      for (int64_t j = 0; j < last; ++j) {
+        const float p = Io::Round(si[j] / sum);
+        const typename Io::T* vrow = vb + j * h;
+        for (int64_t c = 0; c < h; ++c) acc[c] += p * Io::Load(vrow, c);
+      }
+      typename Io::T* o = po + ((b * T + qt) * H + head) * h;
+      for (int64_t c = 0; c < h; ++c) Io::Store(o, c, acc[c]);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> rows,
+                           ffi::Buffer<ffi::S32> start, ffi::Result<ffi::AnyBuffer> out,
+                           float scale) {
+  Dims d;
+  if (auto e = CheckDims(q, k, v, rows, start, out, &d); e.failure()) return e;
+  const int32_t* pr = rows.typed_data();
+  const int32_t* ps = start.typed_data();
+  switch (q.element_type()) {
+    case ffi::DataType::F32:
+      return Run<F32Io>(pool, d, static_cast<const float*>(q.untyped_data()),
+                        static_cast<const float*>(k.untyped_data()),
+                        static_cast<const float*>(v.untyped_data()), pr, ps,
+                        static_cast<float*>(out->untyped_data()), scale);
+    case ffi::DataType::BF16:
+      return Run<Bf16Io>(pool, d, static_cast<const uint16_t*>(q.untyped_data()),
+                         static_cast<const uint16_t*>(k.untyped_data()),
+                         static_cast<const uint16_t*>(v.untyped_data()), pr, ps,
+                         static_cast<uint16_t*>(out->untyped_data()), scale);
+    default:
+      return ffi::Error::InvalidArgument("rao_decode_attention: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaoDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q [B, T, H, h]
+                                  .Arg<ffi::AnyBuffer>()          // k cache [N, K, h, S]
+                                  .Arg<ffi::AnyBuffer>()          // v cache [N, K, S, h]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start [B]
+                                  .Ret<ffi::AnyBuffer>()          // out [B, T, H, h]
+                                  .Attr<float>("scale"));
