@@ -230,6 +230,15 @@ def test_five_seed_results_replace_the_placeholder(tmp_path, monkeypatch):
   assert "2 of 5 RL seeds in" in gen.gen_recursion_headline("README.md")
 
 
+def test_a_figure_is_stale_when_its_data_change(monkeypatch):
+  path = "docs/img/delegation_micro_run.png"
+  assert path not in gen.stale_figures()
+  data_fn, render = gen.FIGURES[path]
+  changed = lambda: {**data_fn(), "seeds": data_fn()["seeds"] + 1}
+  monkeypatch.setitem(gen.FIGURES, path, (changed, render))
+  assert path in gen.stale_figures()
+
+
 def test_an_unknown_generated_block_is_an_error():
   with pytest.raises(KeyError, match="unknown generated block"):
     gen.render_blocks("<!-- gen:nope -->\nx\n<!-- /gen:nope -->\n", "README.md")
