@@ -201,7 +201,41 @@ def rl_config_for(mode: str, s: dict):
   if s.get("rl_seed") is not None:
     c.seed = int(s["rl_seed"])
     c.env.train_seed = int(s["rl_seed"]) + 1
+  for key, (section, field) in RECIPE_FIELDS.items():
+    if key in s and section is not None:
+      c[section][field] = s[key]
+  if s.get("val_tasks"):
+    # A greedy check on the validation split after every step; every checkpoint is kept, so
+    # that the one the split prefers can be evaluated on the held-out tasks afterwards.
+    c.eval.every, c.eval.split, c.eval.num_tasks = 1, "val", s["val_tasks"]
+    c.ckpt.keep = s["rl_steps"] + 1
   return c
+
+
+# The RL recipe's settings a scale (or --recipe) may set: scale key -> (config section, field);
+# None for the keys the scale's own code reads (lr, rl_steps, group, tasks_per_step, ...).
+RECIPE_FIELDS = {
+    "lr": (None, None), "rl_steps": (None, None), "group": (None, None),
+    "tasks_per_step": (None, None), "rl_temperature": (None, None),
+    "lam": ("rl", "lam"), "baseline": ("rl", "baseline"),
+    "drop_equal_groups": ("rl", "drop_equal_groups"), "kl": ("rl", "kl_coef"),
+    "loss": ("rl", "loss"), "grad_clip": ("optim", "grad_clip"),
+}
+
+
+def parse_recipe(spec: str) -> dict:
+  """"lr=1e-4,lam=0,rl_steps=4" -> {"lr": 1e-4, "lam": 0, "rl_steps": 4}: RL recipe settings
+  (RECIPE_FIELDS) over a scale's; values parse as JSON, else stay text."""
+  out = {}
+  for part in filter(None, (x.strip() for x in spec.split(","))):
+    key, sep, raw = part.partition("=")
+    if not sep or key not in RECIPE_FIELDS:
+      raise ValueError(f"recipe {part!r}: use KEY=VALUE with KEY one of {sorted(RECIPE_FIELDS)}.")
+    try:
+      out[key] = json.loads(raw)
+    except json.JSONDecodeError:
+      out[key] = raw
+  return out
 
 
 def tokenizer_for(name: str):
