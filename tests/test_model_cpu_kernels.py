@@ -215,7 +215,9 @@ def test_attention_usable_only_for_float32_on_mkl():
 
 @needs_mkl
 def test_attention_under_a_device_mesh():
-  # The learner jits over a mesh (a CPU mesh in tests): XLA gathers the call's operands.
+  # Sharded operands and no mesh set (jax.set_mesh): XLA gathers the call's operands, and the
+  # results must not change. The learner sets its mesh, and the kernel then runs per device
+  # (tests/test_accel_learner_mesh.py).
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")

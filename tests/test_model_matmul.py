@@ -101,8 +101,9 @@ def test_model_gradients_agree_between_mkl_and_xla():
 
 
 def test_sharded_operands_give_the_same_result_and_gradients():
-  # The learner jits over a device mesh: the opaque call then gets gathered operands (a CPU
-  # mesh is for tests; accelerators take XLA's dot), and results must not change.
+  # Sharded operands and no mesh set (jax.set_mesh): the opaque call gets gathered operands
+  # (a CPU mesh is for tests; accelerators take XLA's dot), and results must not change.
+  # Under a mesh set around the trace (the learner's step) dense is XLA's dot.
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")

@@ -23,17 +23,17 @@ call (``matmul.dense`` does the same for the MKL product):
   * anything else, and shapes a kernel does not take (T not a multiple of its block): XLA's
     blocked attention.
 
-``cached_attention`` (prefill and decode against the KV cache) stays XLA's on every platform
-(``cache_rows_attention`` picks the cache rows it reads: in place on CPU, taken elsewhere):
-a decode step's scores are [B, H, S] (a few MB), reading the cache once is the whole cost, and
-the cache layout [B, K, h, S] / [B, K, S, h] is the one XLA reads without transposes; prefill
-chunks are at most ``EngineConfig`` prefill chunk x S. Neither meets the T x T training case.
+``cached_attention`` is XLA's attention against the KV cache (prefill chunks, and the
+reference and fallback of the decode step's kernels in ``decode.py``, which read only the slots
+each row holds); ``cache_rows_attention`` picks the cache rows it reads: in place on CPU, taken
+elsewhere. A prefill chunk's scores are at most ``EngineConfig`` prefill chunk x S, never the
+T x T training case.
 
-Under a multi-device mesh the Pallas calls are opaque to XLA's partitioner, which would gather
-their operands onto every device. With a mesh set by ``jax.set_mesh`` around the trace, they run
-per device under ``shard_map`` on whole rows and local heads (tested on a CPU mesh in interpret
-mode). The learner does not set one yet: on a multi-chip mesh its TPU/GPU step is correct but
-computes attention on gathered operands until it does.
+Under a multi-device mesh the Pallas and FFI calls are opaque to XLA's partitioner, which would
+gather their operands onto every device. With a mesh set by ``jax.set_mesh`` around the trace
+(the learner traces its step under its mesh), they run per device under ``shard_map`` on whole
+rows and local heads (tested on a CPU mesh: the MKL kernel, and the Pallas ones in interpret
+mode).
 """
 from __future__ import annotations
 
@@ -271,9 +271,12 @@ def causal_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segment_ids_BxT, block: in
   T = q_BxTxHxh.shape[1]
   xla = functools.partial(xla_causal_attention, block=block)
 
+  def mkl_kernel(q, k, v, s):
+    return mkl_attention.causal_attention(q, k, v, s).astype(q.dtype)
+
   def cpu(q, k, v, s):
     if mkl_attention.usable(q.dtype, kernels):
-      return mkl_attention.causal_attention(q, k, v, s).astype(q.dtype)
+      return _sharded(mkl_kernel, q, k, v, s)
     return xla(q, k, v, s)
 
   tpu = xla if shared_prefix or _block_for(T, _TPU_BLOCKS) is None else functools.partial(

@@ -7,8 +7,9 @@ the result at least ``MIN_ROWS`` long it calls MKL's ``cblas_sgemm`` through an 
 (``jax.lax.platform_dependent``: lowered for a GPU or TPU, the same trace is XLA's dot). On an Intel Xeon, XLA:CPU's own kernels ran the
 SmolLM2 training step's product shapes up to 30% below MKL (benchmarks/bench_cpu_kernels.py).
 Anywhere else (GPU, TPU, bfloat16, decode-sized products) it is ``jax.lax.dot_general``;
-results agree to float32 rounding. Under a CPU device mesh (tests) XLA
-gathers the call's sharded operands first: correct, not fast.
+results agree to float32 rounding. Traced under a multi-device mesh (``jax.set_mesh``: the
+learner's step on a CPU device mesh, in tests) it is XLA's dot too: the partitioner splits a
+dot over the mesh, where it would gather the FFI call's sharded operands onto every device.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ MIN_ROWS = 64            # smaller products (decode steps) stay with XLA: no cal
 
 
 def _uses_mkl(a, b, m: int, n: int, preferred_element_type, mode: str) -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
   return (a.dtype == jnp.float32 and b.dtype == jnp.float32
           and (preferred_element_type is None or jnp.dtype(preferred_element_type) == jnp.float32)
-          and min(m, n) >= MIN_ROWS and mkl.active(mode))
+          and min(m, n) >= MIN_ROWS and (mesh.empty or mesh.size == 1) and mkl.active(mode))
 
 
 def _mkl_call(a, b, trans_a: bool, trans_b: bool):

@@ -275,6 +275,32 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], statics: StepS
   return new_state, metrics
 
 
+class _UnderMesh:
+  """A jitted step called, traced and lowered with ``mesh`` set by ``jax.set_mesh``.
+
+  The platform kernels of the step (MKL's FFI attention on CPU, Pallas splash or flash
+  attention on TPU and GPU) are opaque to XLA's partitioner, which would gather their operands
+  onto every device; traced under the mesh, ``rao_jax.kernels.attention`` runs them per device
+  under ``shard_map`` on the device's rows and kv heads. Every call sets it, as the mesh is part
+  of the jit cache key: a call without it would trace the step again. Other attributes are the
+  jitted function's.
+  """
+
+  def __init__(self, fn, mesh):
+    self._fn, self._mesh = fn, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self._mesh):
+      return self._fn(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self._mesh):
+      return self._fn.lower(*args)
+
+  def __getattr__(self, name):
+    return getattr(self._fn, name)
+
+
 def _model_config_dict(model_cfg) -> dict:
   if dataclasses.is_dataclass(model_cfg):
     return json_safe(dataclasses.asdict(model_cfg))
@@ -392,7 +418,7 @@ class Learner:
           in_shardings=(self._state_shardings, self._batch_shardings),
           out_shardings=(self._state_shardings, sharding_lib.replicated(self.mesh)),
           donate_argnums=(0,))
-    self._step_fn = _JITTED_STEPS[key]
+    self._step_fn = _UnderMesh(_JITTED_STEPS[key], self.mesh)
     self._ckpt = None
     self._old_ckpt_failures = []
 
