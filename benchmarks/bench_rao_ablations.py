@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rao_ablations.py [--seeds=deep:8,two_digit:5] [--tasks=deep,two_digit]
         [--variants=rao,...] [--workers=2] [--workdir=DIR] [--out=PREFIX]
+    python benchmarks/bench_rao_ablations.py --only=baseline_scale [--out=PREFIX]
 
 Tasks (each run is a real Trainer run of `--steps` RL steps from a warm start: one per seed
 for two_digit, one for every seed for deep, whose warm start costs ~3 CPU minutes):
@@ -12,7 +13,10 @@ for two_digit, one for every seed for deep, whose warm start costs ~3 CPU minute
              (the fast delegation test's environment).
 
 Variants (config overrides; RAO is lambda 0.5, rate bonus, leave-one-out from root rewards,
-depth weights, dense node rewards, every node trained):
+depth weights, dense node rewards, every node trained). Each of them, the breakages too, pins
+the paper's baseline ("loo": the other roots' R) and keeps groups whose roots got equal
+rewards (`PAPER_CREDIT`): the library's default is now "loo_success" with such groups dropped,
+and these arms' claims are about RAO as the paper specifies it.
   rao                full RAO
   no_depth_weights   w_d = 1 for every node                                      (paper Fig. 8)
   root_reward        s(v) := s(root) for every node: root-only rewards           (paper Fig. 8)
@@ -27,6 +31,10 @@ depth weights, dense node rewards, every node trained):
                      authors' code)
   train_roots        children leave the learner batch (rewards unchanged)
   control            lr = 0: the warm start sampled for every step
+  default            the library's default credit assignment (`DEFAULT_CREDIT`): baseline
+                     "loo_success" (the other roots' success), equal groups dropped, no update
+                     on a step without signal
+  default_lambda0    the same at lambda = 0
 and two deliberate breakages (not options of the library; patched into the run only):
   shuffled_baselines every child takes the leave-one-out baseline of a tree of another group
   flipped_sign       every advantage negated
@@ -39,6 +47,14 @@ parent's goal), nodes per tree, learner tokens per step, and (deep) the mean tre
 each k before training (the warm start's first step, every run pooled) and at the end.
 Differences against `rao` are paired by seed (same warm start, same tasks at every step): a t
 interval over the seeds' differences; "significant" when it excludes 0.
+
+--only=baseline_scale runs and reports one comparison alone (issue 45): the paper's baseline
+(rao, lambda0) against the default (default, default_lambda0) on the deep task, 8 seeds, at
+lambda 0.5 and at 0 (where the two baselines coincide and only the equal-group filter differs):
+held-out success per arm with two-level bootstrap intervals over seeds and tasks, the pairs'
+differences by seed (and held out by task) with the exact sign-flip p over seeds, and the
+trainer's drift metrics (`train/drift/*`) as per-step means over each run. Its runs live
+under runs/rao_baseline_scale unless --workdir says otherwise, and resume like the others.
 
 Runs execute in worker processes, one (task, seed) at a time, every variant of that seed in
 turn in one process (the compiled programs are shared); `--workers` of them run at once. The
@@ -67,7 +83,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-VARIANTS = {
+# RAO's credit assignment as the paper specifies it: the leave-one-out mean of the other roots'
+# R, and a group whose roots got equal rewards keeps its terms. The library's default has since
+# become "loo_success" with equal groups dropped (RAO_SPEC, "The baseline's scale when
+# lambda > 0"), so every arm whose claim is about the paper pins these, and the committed
+# results (run when they were the default) stay what they say.
+PAPER_CREDIT = {"rl.baseline": "loo", "rl.drop_equal_groups": False}
+# The library's default credit assignment, pinned too, so that the arms keep their meaning if
+# the default moves again.
+DEFAULT_CREDIT = {"rl.baseline": "loo_success", "rl.drop_equal_groups": True}
+# What a report says of its arms' credit assignment.
+CREDIT = {"paper": PAPER_CREDIT, "default": DEFAULT_CREDIT,
+          "arms": "every variant and breakage runs the paper's credit assignment ('paper'), "
+                  "'group_mean' with its own baseline; 'default' and 'default_lambda0' run the "
+                  "library's default ('default')"}
+VARIANTS = {name: PAPER_CREDIT | overrides for name, overrides in {
     "rao": {},
     "no_depth_weights": {"rl.depth_weights": False},
     "root_reward": {"rl.node_rewards": "root"},
@@ -80,6 +110,9 @@ VARIANTS = {
     "pass_through_gate": {"rl.pass_through_gate": True},
     "train_roots": {"rl.train_nodes": "root"},
     "control": {"optim.lr": 0.0},
+}.items()} | {
+    "default": DEFAULT_CREDIT,
+    "default_lambda0": DEFAULT_CREDIT | {"rl.lam": 0.0},
 }
 BREAKAGES = ("shuffled_baselines", "flipped_sign")
 TASKS = {
@@ -91,7 +124,18 @@ TASKS = {
                   ("rao", "no_depth_weights", "lambda0", "tree_advantage", "train_roots",
                    "control", "shuffled_baselines", "flipped_sign")),
 }
+# Comparisons run alone with --only=NAME: the task, and per label the (paper, default) arms
+# paired by seed. baseline_scale: the paper's baseline against the library's default
+# (issue 45, item 7). At lambda 0 a root's R is its success, so "loo" and "loo_success" are the
+# same baseline and the arms differ only in dropping equal groups.
+COMPARISONS = {
+    "baseline_scale": ("deep", {"lambda 0.5": ("rao", "default"),
+                                "lambda 0": ("lambda0", "default_lambda0")}),
+}
 LAST = 10   # training steps averaged for "final" figures
+# The trainer's drift metrics (`rao_jax.metrics.drift_stats`, `train/drift/*`), one per step.
+DRIFT = ("at_depth_limit", "helpers_outside_root", "helpers_outside_parent",
+         "groups_all_equal", "update_applied")
 # Tasks whose seeds share one warm start: the deep one's takes ~3 CPU minutes (80 supervised
 # steps on its larger trees), which per seed would not fit the benchmark's hour.
 SHARED_WARM_START = ("deep",)
@@ -182,6 +226,10 @@ def run_seed(task: str, seed: int, variants: list[str], workdir: str, steps: int
   X.sandbox_pool = lambda config: local_exec.LocalReplPool()
   cfg_lib = importlib.import_module(TASKS[task][0])
   base = os.path.join(workdir, task, f"seed{seed}")
+  if not variants and task in SHARED_WARM_START:
+    # Built alone before the workers start: two workers building it at once would write the
+    # same folder together.
+    cfg_lib.setup(os.path.join(workdir, task, "shared"), "seed=0", max_steps=256)
   for v in variants:
     run_dir = os.path.join(base, v)
     if _read(run_dir, steps, task) is not None:
@@ -198,7 +246,8 @@ def run_seed(task: str, seed: int, variants: list[str], workdir: str, steps: int
     else:
       c = cfg_lib.setup(base, f"seed={seed}", max_steps=256)
     c.total_steps = steps
-    for key, value in VARIANTS.get(v, {}).items():
+    # A deliberate breakage is a bug in RAO as the paper specifies it.
+    for key, value in VARIANTS.get(v, PAPER_CREDIT).items():
       section, field = key.split(".")
       c[section][field] = value
     c.eval.every = c.total_steps   # one greedy held-out evaluation, at the end
@@ -256,6 +305,9 @@ def _read(run_dir: str, steps: int, task: str) -> dict | None:
          "helpers": [r.get("train/tree_nodes", 1.0) for r in train],
          "learner_tokens": [r.get("train/learner/batch/real_tokens", 0.0) for r in train],
          "eval_success": evals[-1]["eval/success_all"],
+         # Each held-out task's root success, by task id: arms of a seed share the tasks.
+         "eval_by_task": {t.task_id: float(t.nodes[0].success) for t in held},
+         "drift": {k: [r.get(f"train/drift/{k}", np.nan) for r in train] for k in DRIFT},
          "eval_delegating": evals[-1].get("eval/delegating_share", 0.0),
          "minutes": sum(r.get("train/time/step_s", 0.0) for r in train) / 60,
          "last": _tree_figures(last), "first": _tree_figures(first),
@@ -409,6 +461,239 @@ def _task_result(task: str, results: dict[str, dict[int, dict]]) -> dict:
   return out
 
 
+# -- one comparison alone (--only) --------------------------------------------------------------
+
+
+BOOT = 10_000   # bootstrap replicates
+
+
+def _boot_means(rows, n: int = BOOT, seed: int = 0) -> np.ndarray:
+  """Means of a two-level (hierarchical) bootstrap of per-seed task values.
+
+  Each replicate draws the seeds with replacement, then, for each drawn seed, its tasks with
+  replacement, and averages every drawn value with each seed weighted alike. Percentiles of
+  these means are intervals that stay inside the range of the values (for successes, [0, 1]),
+  unlike a t-interval near 0 or 1, and that count both the seeds' spread and the tasks'.
+
+  Args:
+    rows: one 1-D array per seed (its tasks' values; lengths may differ).
+    n: replicates.
+    seed: the bootstrap's own randomness (fixed: a report is reproducible).
+
+  Returns:
+    [n] replicate means.
+  """
+  rng = np.random.default_rng(seed)
+  rows = [np.asarray(r, float) for r in rows]
+  seeds_nxS = rng.integers(0, len(rows), size=(n, len(rows)))
+  out_nxS = np.empty(seeds_nxS.shape)
+  for s, r in enumerate(rows):
+    # Every slot that drew seed s gets its own draw of s's tasks.
+    hit = seeds_nxS == s
+    draws = rng.integers(0, len(r), size=(int(hit.sum()), len(r)))
+    out_nxS[hit] = r[draws].mean(axis=1)
+  return out_nxS.mean(axis=1)
+
+
+def _percentile_ci(replicates) -> list[float]:
+  lo, hi = np.percentile(replicates, [2.5, 97.5])
+  return [float(lo), float(hi)]
+
+
+def _sign_flip_p(deltas) -> float:
+  """Two-sided p of the exact sign-flip test of paired per-seed differences: under "no
+  difference" each seed's difference is as likely negated, so the observed |mean| is ranked
+  among the 2^n means of every sign pattern."""
+  d = np.asarray(deltas, float)
+  signs = np.array(np.meshgrid(*[[-1.0, 1.0]] * len(d))).reshape(len(d), -1)
+  means = np.abs(d @ signs) / len(d)
+  return float(np.mean(means >= abs(d.mean()) - 1e-12))
+
+
+def _seed_stat(vals) -> dict:
+  """Mean over seeds with a percentile bootstrap interval over the seeds (inside the values'
+  range), and the per-seed values."""
+  vals = np.asarray(vals, float)
+  return {"mean": round(float(vals.mean()), 4),
+          "ci95": [round(x, 4) for x in _percentile_ci(_boot_means([[v] for v in vals]))],
+          "per_seed": [round(float(v), 4) for v in vals]}
+
+
+def _paired_stat(deltas, rows=None) -> dict:
+  """A paired difference over seeds: its mean, a 95% percentile interval (two-level over seeds
+  and paired tasks where `rows` gives each seed's per-task differences, else over seeds), the
+  exact sign-flip p over the seeds, and how many seeds went each way."""
+  d = np.asarray(deltas, float)
+  ci = _percentile_ci(_boot_means(rows if rows is not None else [[x] for x in d]))
+  return {"delta": round(float(d.mean()), 4), "ci95": [round(x, 4) for x in ci],
+          "p_sign_flip": round(_sign_flip_p(d), 4),
+          "seeds_up_down_tied": [int((d > 0).sum()), int((d < 0).sum()), int((d == 0).sum())],
+          "per_seed": [round(float(x), 4) for x in d],
+          "significant": bool(ci[0] > 0 or ci[1] < 0)}
+
+
+def _run_figures(r: dict) -> dict:
+  """One run's figures for a comparison: held-out success, the last steps' sampled figures,
+  and each drift metric as its mean over the run's steps and over its last steps."""
+  out = {"held_out": float(np.mean(list(r["eval_by_task"].values()))),
+         "train_success": float(np.mean(r["success"][-LAST:])),
+         "delegating": float(np.mean(r["delegating"][-LAST:])),
+         "pass_through": r["last"]["pass_through"],
+         "helpers_per_agent": r["last"]["helpers_per_agent"],
+         "steps_without_update": float(np.sum(np.asarray(r["drift"]["update_applied"]) == 0))}
+  for k, series in r["drift"].items():
+    x = np.asarray(series, float)
+    out[f"drift/{k}"] = float(np.nanmean(x)) if np.isfinite(x).any() else np.nan
+    out[f"drift_last/{k}"] = (float(np.nanmean(x[-LAST:])) if np.isfinite(x[-LAST:]).any()
+                              else np.nan)
+  return out
+
+
+ARM_KEYS = ("train_success", "delegating", "pass_through", "helpers_per_agent",
+            "steps_without_update") + tuple(f"drift/{k}" for k in DRIFT) + tuple(
+                f"drift_last/{k}" for k in DRIFT)
+
+
+def _comparison_result(name: str, results: dict[str, dict[int, dict]]) -> dict:
+  """Each arm's figures over its seeds and each (paper, default) pair's paired differences.
+
+  Held-out success: the mean over seeds of the share of held-out tasks solved, its interval a
+  two-level bootstrap over seeds and tasks. Per-seed figures (last steps, drift): intervals a
+  bootstrap over seeds. Pairs: the default arm minus the paper's, seed by seed (same warm
+  start, same tasks at every step and the same held-out tasks) and, held out, task by task.
+  """
+  task, pairs = COMPARISONS[name]
+  arms = {}
+  for v, runs in results.items():
+    if not runs:
+      continue
+    seeds = sorted(runs)
+    figs = {s: _run_figures(runs[s]) for s in seeds}
+    solved = [list(runs[s]["eval_by_task"].values()) for s in seeds]
+    arms[v] = {"overrides": dict(VARIANTS[v]), "seeds": seeds,
+               "held_out": {"mean": round(float(np.mean([np.mean(x) for x in solved])), 4),
+                            "ci95": [round(x, 4) for x in _percentile_ci(_boot_means(solved))],
+                            "solved": f"{int(sum(map(sum, solved)))}/{sum(map(len, solved))}",
+                            "per_seed": [round(float(np.mean(x)), 4) for x in solved]}}
+    for k in ARM_KEYS:
+      vals = [figs[s][k] for s in seeds]
+      if np.isfinite(vals).all():
+        arms[v][k] = _seed_stat(vals)
+    arms[v]["minutes_per_run"] = round(float(np.mean([runs[s]["minutes"] for s in seeds])), 2)
+  paired = {}
+  for label, (paper, default) in pairs.items():
+    if paper not in arms or default not in arms:
+      continue
+    seeds = sorted(set(results[paper]) & set(results[default]))
+    rows = []
+    for s in seeds:
+      a, b = results[default][s]["eval_by_task"], results[paper][s]["eval_by_task"]
+      rows.append([a[t] - b[t] for t in sorted(set(a) & set(b))])
+    fa = {s: _run_figures(results[default][s]) for s in seeds}
+    fb = {s: _run_figures(results[paper][s]) for s in seeds}
+    paired[label] = {"default_minus_paper": f"{default} - {paper}", "n": len(seeds),
+                     "held_out": _paired_stat([np.mean(r) for r in rows], rows)}
+    for k in ARM_KEYS:
+      d = [fa[s][k] - fb[s][k] for s in seeds]
+      if np.isfinite(d).all():
+        paired[label][k] = _paired_stat(d)
+  curves = {v: {"success": np.nanmean([runs[s]["success"] for s in runs], axis=0),
+                "groups_all_equal": np.nanmean([runs[s]["drift"]["groups_all_equal"]
+                                                for s in runs], axis=0)}
+            for v, runs in results.items() if runs}
+  return {"comparison": name, "task": task, "arms": arms, "paired": paired,
+          "curves": {v: {k: [round(float(x), 4) for x in c] for k, c in cs.items()}
+                     for v, cs in curves.items()}}
+
+
+def _comparison_notes(name: str, result: dict) -> list[str]:
+  """What a reader needs to read a comparison's figures (measured facts, not the reading)."""
+  notes = []
+  if name == "baseline_scale":
+    notes.append(
+        "Arms: 'rao' and 'lambda0' are RAO as the paper specifies it (baseline 'loo', the "
+        "leave-one-out mean of the other roots' R; groups with equal root rewards kept; every "
+        "step updates), at lambda 0.5 and 0. 'default' and 'default_lambda0' are the library's "
+        "default since 70090fd (baseline 'loo_success', the leave-one-out mean of the other "
+        "roots' success; equal groups dropped; a step with no signal applies no update). Every "
+        "arm pins its credit assignment (each arm's 'overrides'), and so do the benchmark's "
+        "other paper arms, so they keep meaning the paper's estimator.")
+    notes.append(
+        "At lambda 0 a root's R is its success, so 'loo' and 'loo_success' are the same "
+        "baseline: the lambda-0 pair differs only in dropping equal groups (and so in skipping "
+        "the steps where every group was equal).")
+    depth = [a.get("drift/at_depth_limit", {}).get("mean") for a in result["arms"].values()]
+    if depth and all(d == 0 for d in depth):
+      notes.append(
+          "drift/at_depth_limit is 0 in every arm by construction: the deep task's depth limit "
+          "(agent.max_depth 8) lies above what its step budget lets a tree reach (depth 4); "
+          "over-delegation shows here in delegating, helpers per agent and pass-through share.")
+  notes.append(
+      "Intervals: held-out success, a two-level percentile bootstrap over seeds and the 32 "
+      "held-out tasks (10,000 replicates, inside [0, 1]); per-seed figures, a percentile "
+      "bootstrap over seeds; paired differences (default minus paper, same seed, and held out "
+      "the same task), the same bootstraps on the differences, 'significant' when the 95% "
+      "interval excludes 0, with the exact sign-flip p over the seeds beside it. Drift "
+      "figures: each run's per-step mean over its 30 steps ('drift/'), and over its last 10 "
+      "('drift_last/').")
+  return notes
+
+
+def _comparison_line(out: dict) -> dict:
+  """The JSON line of a comparison: each arm's headline figures and each pair's differences."""
+  keys = ("train_success", "delegating", "steps_without_update") + tuple(
+      f"drift/{k}" for k in DRIFT)
+  return {"benchmark": out["benchmark"], "comparison": out["comparison"], "task": out["task"],
+          "cpu": out["cpu"], "seeds": out["seeds"], "steps": out["steps"],
+          "arms": {v: {"held_out": a["held_out"]["mean"], "held_out_ci95": a["held_out"]["ci95"]}
+                   | {k: a[k]["mean"] for k in keys if k in a}
+                   for v, a in out["arms"].items()},
+          "paired": {label: {k: {"delta": p[k]["delta"], "ci95": p[k]["ci95"],
+                                 "p": p[k]["p_sign_flip"]}
+                             for k in ("held_out", "train_success", "drift/groups_all_equal",
+                                       "drift/helpers_outside_root", "delegating")
+                             if k in p}
+                     for label, p in out["paired"].items()},
+          "minutes_total": out["minutes_total"]}
+
+
+def _plot_comparison(out: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  pairs = COMPARISONS[out["comparison"]][1]
+  fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+  names, means, errs = [], [], [[], []]
+  for label, arms in pairs.items():
+    for v in arms:
+      if v not in out["arms"]:
+        continue
+      a = out["arms"][v]
+      names.append(f"{v} ({label})")
+      means.append(a["held_out"]["mean"])
+      errs[0].append(a["held_out"]["mean"] - a["held_out"]["ci95"][0])
+      errs[1].append(a["held_out"]["ci95"][1] - a["held_out"]["mean"])
+      ls = "-" if v.startswith("default") else "--"
+      for ax, key in zip(axes[1:], ("success", "groups_all_equal")):
+        y = np.asarray(out["curves"][v][key], float)
+        y = np.convolve(y, np.ones(5) / 5, mode="valid")
+        ax.plot(np.arange(5, len(y) + 5), y, ls=ls, label=f"{v} ({label})")
+  axes[0].barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
+  axes[0].set_xlim(0, 1)
+  axes[0].set_title("held-out success (95% bootstrap, seeds x tasks)")
+  for ax, title in zip(axes[1:], ("root success (train, sampled)",
+                                  "groups with equal root rewards")):
+    ax.set_title(title + " (5-step mean over seeds)")
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=7)
+  fig.suptitle(f"{out['comparison']}: the paper's baseline (dashed) against the default "
+               f"(solid), {out['task']} task, seeds {out['seeds']}, {out['steps']} RL steps")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 # -- plot -------------------------------------------------------------------------------------
 
 
@@ -491,7 +776,14 @@ def main() -> None:
   p.add_argument("--variants", default="", help="comma-separated; default: each task's set")
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--workers", type=int, default=2)
-  p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "rao_ablations"))
+  p.add_argument("--workdir", default="", help="where runs are kept (resumable); default "
+                 "runs/rao_ablations, or runs/rao_<NAME> with --only=NAME")
+  p.add_argument("--only", default="", choices=("",) + tuple(COMPARISONS),
+                 help="run and report one comparison alone (its task and arms): "
+                 "baseline_scale: the paper's baseline (loo, equal groups kept) against the "
+                 "default (loo_success, equal groups dropped) at lambda 0.5 and 0")
+  p.add_argument("--reading", default="", help="with --only: the reading of the result, "
+                 "kept in the JSON's notes")
   p.add_argument("--out", default="", help="path prefix for .json, .line.json and .png (e.g. "
                  "benchmarks/results/rao_ablations)")
   p.add_argument("--report_only", action="store_true", help="run nothing: summarise the runs "
@@ -504,6 +796,12 @@ def main() -> None:
   p.add_argument("--one", default="", help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
+  if args.only:
+    task, pairs = COMPARISONS[args.only]
+    args.tasks = task
+    args.variants = ",".join(v for pair in pairs.values() for v in pair)
+  args.workdir = args.workdir or os.path.join(
+      ROOT, "runs", f"rao_{args.only}" if args.only else "rao_ablations")
   tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
   unknown = [t for t in tasks if t not in TASKS] + [
       v for v in args.variants.split(",") if v and v not in VARIANTS and v not in BREAKAGES]
@@ -511,7 +809,8 @@ def main() -> None:
     sys.exit(f"unknown tasks or variants {unknown}; tasks {list(TASKS)}, variants "
              f"{list(VARIANTS) + list(BREAKAGES)}.")
   if args.one:
-    run_seed(args.one, args.seed, args.variants.split(","), args.workdir, args.steps)
+    run_seed(args.one, args.seed, [v for v in args.variants.split(",") if v], args.workdir,
+             args.steps)
     return
   if args.refresh:
     if not args.out:
@@ -539,6 +838,12 @@ def main() -> None:
     jobs = [(t, s) for s in range(max(seeds.values())) for t in tasks if s < seeds[t]
             and any(_read(os.path.join(args.workdir, t, f"seed{s}", v), args.steps, t) is None
                     for v in plan[t])]
+    for t in sorted({t for t, _ in jobs} & set(SHARED_WARM_START)):
+      if not os.path.exists(os.path.join(args.workdir, t, "shared", "model",
+                                         "warm_start.json")):
+        print(f"[{time.time() - t0:7.0f}s] {t}: building the shared warm start",
+              file=sys.stderr, flush=True)
+        _worker(t, 0, [], args.workdir, args.steps)
     with concurrent.futures.ThreadPoolExecutor(max(args.workers, 1)) as pool:
       futures = {pool.submit(_worker, t, s, plan[t], args.workdir, args.steps): (t, s)
                  for t, s in jobs}
@@ -546,11 +851,14 @@ def main() -> None:
         t, s = futures[f]
         print(f"[{time.time() - t0:7.0f}s] {t} seed {s}: done in {f.result():.0f}s",
               file=sys.stderr, flush=True)
+  if args.only:
+    _report_comparison(args, plan, seeds, t0, started)
+    return
   out = {"benchmark": "rao_ablations", "cpu": _cpu_name(), "seeds": seeds,
          "warm_start": {t: "one for every seed (seed 0's)" if t in SHARED_WARM_START
                         else "one per seed" for t in tasks},
          "steps": args.steps, "final": f"mean of the last {LAST} training steps",
-         "note": args.note, "tasks": {}}
+         "note": args.note, "credit": CREDIT, "tasks": {}}
   for t in tasks:
     results = {v: {} for v in plan[t]}
     for s in range(seeds[t]):
@@ -576,6 +884,37 @@ def main() -> None:
   print(json.dumps(line))
 
 
+def _report_comparison(args, plan: dict, seeds: dict, t0: float, started: str) -> None:
+  """The --only report: its JSON (with --out also its line and plot) from the finished runs."""
+  task = COMPARISONS[args.only][0]
+  results = {v: {} for v in plan[task]}
+  for s in range(seeds[task]):
+    for v in plan[task]:
+      got = _read(os.path.join(args.workdir, task, f"seed{s}", v), args.steps, task)
+      if got is not None:
+        results[v][s] = got
+  out = {"benchmark": "rao_ablations", "cpu": _cpu_name(), "seeds": seeds[task],
+         "steps": args.steps, "warm_start": "one for every seed (seed 0's)"
+         if task in SHARED_WARM_START else "one per seed", "note": args.note}
+  out |= _comparison_result(args.only, results)
+  out["notes"] = _comparison_notes(args.only, out) + ([args.reading] if args.reading else [])
+  with open(started) as f:
+    first = json.load(f)["time"]
+  ends = [os.path.getmtime(os.path.join(args.workdir, task, f"seed{s}", v, "metrics.jsonl"))
+          for v in results for s in results[v]]
+  out["minutes_total"] = round((max(ends, default=first) - first) / 60, 1)
+  out["minutes"] = round((time.time() - t0) / 60, 1)   # this invocation
+  line = _comparison_line(out)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+      json.dump(out | {"plot": os.path.basename(args.out) + ".png"}, f, indent=1)
+    with open(args.out + ".line.json", "w") as f:
+      f.write(json.dumps(line) + "\n")
+    _plot_comparison(out, args.out + ".png")
+  print(json.dumps(line))
+
+
 def _annotate(out: dict) -> None:
   """What a report derives from its comparisons: each claim's verdict with its source, the
   deep task's scripted caps, and the top-level shape of earlier results (the main task's
@@ -595,7 +934,7 @@ def _annotate(out: dict) -> None:
 def _write(out: dict, prefix: str) -> dict:
   """The JSON line of ``out``; with ``prefix``, also its JSON, line and plot files."""
   line = {k: out[k] for k in ("benchmark", "cpu", "seeds", "warm_start", "steps", "note",
-                              "minutes_total", "run_minutes_total")}
+                              "credit", "minutes_total", "run_minutes_total") if k in out}
   line["tasks"] = {
       t: {"variants": {v: {k: round(s[k]["mean"], 3) for k in
                            ("success", "delegating", "helpers_per_agent", "pass_through",
