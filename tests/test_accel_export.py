@@ -18,6 +18,7 @@ from rao_jax.learner import LearnerConfig
 from rao_jax.learner import step as step_lib
 from rao_jax.learner.testing import tiny_model_config
 from rao_jax.kernels import decode_cpu, mkl
+from rao_jax.model import sharding
 from rao_jax.model.transformer import Transformer
 from rao_jax.rollout.engine import programs
 
@@ -43,12 +44,14 @@ def mkl_on_host():
     return "xla"
 
 
-def _train_step_args(dtype, kernels):
+def _train_step_args(dtype, kernels, rows=2, mesh=None):
+  """The jitted train step and abstract (state, batch); with ``mesh``, sharded as the Learner
+  shards them."""
   model_cfg = tiny_model_config(dtype=dtype, vocab_size=256, d_model=64, head_dim=16,
                                 mlp_dim=128, kernels=kernels)
   # Plain segments: the GPU/TPU flash kernels take them (rows with shared prefixes take XLA's
   # attention there, and share_prefix_min=-1 resolves by the CPU host this test runs on).
-  cfg = LearnerConfig(row_len=T, micro_batch_rows=2, bucket_rows=(2,), lr=1e-5,
+  cfg = LearnerConfig(row_len=T, micro_batch_rows=rows, bucket_rows=(rows,), lr=1e-5,
                       share_prefix_min=0)
   graphdef, params, _ = nnx.split(
       nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
@@ -56,14 +59,52 @@ def _train_step_args(dtype, kernels):
   state = jax.eval_shape(lambda p: step_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p),
       rng=jax.random.PRNGKey(0)), params)
-  batch = {k: jax.ShapeDtypeStruct((2, T), jnp.int32) for k in step_lib.BATCH_KEYS_2D}
+  arr = lambda dt, shape=(rows, T): jax.ShapeDtypeStruct(shape, dt)   # noqa: E731
+  micro = None
+  if mesh is not None:
+    state = jax.tree.map(
+        lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        sharding.state_shardings(state, mesh), state,
+        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    rows_sharding = sharding.batch_sharding(mesh, 2)
+    arr = lambda dt, shape=(rows, T): jax.ShapeDtypeStruct(   # noqa: E731
+        shape, dt, sharding=rows_sharding if shape else sharding.replicated(mesh))
+    micro = jax.sharding.NamedSharding(
+        mesh, sharding.logical_to_spec((None, "batch", None), mesh=mesh))
+  batch = {k: arr(jnp.int32) for k in step_lib.BATCH_KEYS_2D}
   for k in ("coef_BxT", "kl_weight_BxT", "rollout_logp_BxT"):
-    batch[k] = jax.ShapeDtypeStruct((2, T), jnp.float32)
-  batch["loss_mask_BxT"] = jax.ShapeDtypeStruct((2, T), jnp.bool_)
-  batch["normalizer"] = jax.ShapeDtypeStruct((), jnp.float32)
+    batch[k] = arr(jnp.float32)
+  batch["loss_mask_BxT"] = arr(jnp.bool_)
+  batch["normalizer"] = arr(jnp.float32, ())
   fn = jax.jit(functools.partial(step_lib.train_step,
-                                 statics=step_lib.StepStatics(graphdef, cfg, None)))
+                                 statics=step_lib.StepStatics(graphdef, cfg, micro)))
   return fn, (state, batch)
+
+
+def _call_operands(text: str, target: str) -> list[str]:
+  """The operand types of every call to ``target`` in exported StableHLO text."""
+  return [m.group(1) for m in re.finditer(
+      re.escape(target) + r'[^\n]*?:\s*\(([^)]*)\)\s*->', text)]
+
+
+def test_train_step_under_its_mesh_exports_per_device_kernels():
+  """The learner's step traced under an 8-device mesh (data 2 x fsdp 2 x tensor 2), as the
+  Learner traces it, exports for cuda and tpu with each attention kernel on one device's rows
+  and kv heads (shard_map), never on the gathered batch."""
+  mesh = sharding.make_mesh(2, 2, 2)
+  fn, (state, batch) = _train_step_args("bfloat16", "xla", rows=4, mesh=mesh)
+  H, K, h = 4, 2, 16
+  local_q = {"cuda": f"tensor<1x{T}x{H // 2}x{h}xbf16>",      # [rows, T, heads, h]
+             "tpu": f"tensor<{H // 2}x{T}x{h}xbf16>"}         # one row's [heads, T, h]
+  global_q = {"cuda": f"tensor<4x{T}x{H}x{h}xbf16>", "tpu": f"tensor<{H}x{T}x{h}xbf16>"}
+  for platform, kernel in PLATFORM_KERNELS.items():
+    with jax.set_mesh(mesh):
+      allowed = [jax.export.DisabledSafetyCheck.custom_call(PLATFORM_KERNELS["cuda"])]
+      text = jax.export.export(fn, platforms=(platform,), disabled_checks=allowed)(
+          state, batch).mlir_module()
+    operands = _call_operands(text, kernel)
+    assert operands and all(local_q[platform] in o for o in operands), (platform, operands[:2])
+    assert not any(global_q[platform] in o for o in operands), platform
 
 
 def _engine_programs(dtype, kernels):
