@@ -95,6 +95,9 @@ _STOP_AFTER = flags.DEFINE_enum(
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
+_RECIPE = flags.DEFINE_string(
+    "recipe", "", "RL recipe settings over the scale's, KEY=VALUE,... (RECIPE_FIELDS), e.g. "
+    "the recipe experiments.recursion_recipe chose: lr=1e-4,lam=0.")
 
 
 def _flag(name: str):
@@ -462,6 +465,38 @@ def share_stages(src: str, root: str, modes) -> list[str]:
   return linked
 
 
+def val_pick(rl_dir: str) -> tuple[int | None, list]:
+  """The RL step whose checkpoint the validation split prefers: the best greedy validation
+  success logged after a step (`eval/success_val`), the earliest step on ties (the fewest
+  updates away from the warm start); None without validation checks. Also the curve."""
+  from rao_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  path = os.path.join(rl_dir, "metrics.jsonl")
+  rows = metrics_lib.read_metrics(path) if os.path.exists(path) else []
+  curve = [(int(r["step"]), r["eval/success_val"]) for r in rows
+           if r.get("eval/success_val") is not None]
+  if not curve:
+    return None, []
+  best = max(v for _, v in curve)
+  return min(st for st, v in curve if v == best), curve
+
+
+def eval_after_stage(mode: str, rl_dir: str, s: dict, diffs):
+  """The held-out evaluation after RL: of the newest checkpoint, or, with a validation split,
+  of the step the split prefers (`val_pick`); the result says which step and why."""
+  def fn(d):
+    from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
+    step, curve = val_pick(rl_dir) if s.get("val_tasks") else (None, [])
+    r = evaluation.evaluate_checkpoint(rl_dir, step=step, num_tasks=s["eval_tasks"],
+                                       modes=(mode,), difficulties=tuple(diffs), out_dir=d)
+    out = r["modes"][mode]
+    for diff in diffs:
+      out[diff]["checkpoint"] = (
+          {"step": step, "chosen_by": "validation split", "val_curve": curve}
+          if step is not None else {"step": "newest"})
+    return out
+  return fn
+
+
 def run_stages(mode: str, s: dict, root: str, names=STAGES) -> tuple[dict, dict]:
   """The stages `names` of one mode, in STAGES order, each once (a complete stage is read back);
   returns ({stage: result}, {stage: minutes})."""
@@ -489,7 +524,7 @@ def run_stages(mode: str, s: dict, root: str, names=STAGES) -> tuple[dict, dict]
   fns = {"demos": do_demos, "sft": do_sft,
          "eval_before": le.eval_stage(mode, sft_dir, s["eval_tasks"], diffs),
          "rl": le.rl_stage(rl_config_for(mode, s), sft_dir),
-         "eval_after": le.eval_stage(mode, rl_dir, s["eval_tasks"], diffs)}
+         "eval_after": eval_after_stage(mode, rl_dir, s, diffs)}
   out = {name: stages.run(name, fns[name]) for name in STAGES if name in names}
   return out, stages.minutes
 
@@ -513,6 +548,7 @@ def main(argv):
     s["lr"] = _RL_LR.value
   if _RL_SEED.value is not None:
     s["rl_seed"] = _RL_SEED.value
+  s.update(parse_recipe(_RECIPE.value))
   root = os.path.abspath(_flag("workdir"))
   out = os.path.abspath(_flag("out"))
   if flags.FLAGS["report_only"].value:

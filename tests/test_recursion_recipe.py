@@ -73,3 +73,10 @@ def test_the_rule_picks_on_validation_and_sets_drifting_candidates_aside(tmp_pat
   assert c["absent"]["score"]["best_val"] is None
   assert c["fast"]["curves"]["val"] == [0.5, 0.8125, 0.75]
   assert json.load(open(tmp_path / "r.json"))["chosen"] == "slow"
+
+
+def test_val_pick_takes_the_best_and_earliest_validated_step(tmp_path):
+  _rl(str(tmp_path), "c", [0.5, 0.75, 0.75, 0.625], [0.0] * 4)
+  step, curve = rec.val_pick(str(tmp_path / "c" / "rl"))
+  assert step == 2 and curve == [(1, 0.5), (2, 0.75), (3, 0.75), (4, 0.625)]
+  assert rec.val_pick(str(tmp_path / "nothing")) == (None, [])
