@@ -30,6 +30,9 @@ def test_runnable_block(page, cmds, tmp_path):
   os.symlink(os.path.join(ROOT, "experiments"), tmp_path / "experiments")
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  # As a user runs it: one CPU device, not the suite's eight fake ones (tests/conftest.py).
+  if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
+    env.pop("XLA_FLAGS")
   # `python` in a page is the one this suite runs under (the project's virtualenv).
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   for cmd in cmds:
