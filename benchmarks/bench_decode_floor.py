@@ -5,8 +5,9 @@
 bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode step of
 1000 * 32 / (2 * torch tok/s) ms. This measures, on SmolLM2-135M float32:
 
-1. the engine's jitted decode step over 32 rows at cache lengths 64, 384 and 768 (the step
-   minus its attention is the intercept; attention over 384 slots is the slope times 384);
+1. the engine's jitted decode step over 32 rows at cache lengths 64, 384 and 768, with XLA's
+   attention over the whole window (the step minus its attention is the intercept; attention
+   over 384 slots is the slope times 384);
 2. the step's weight products alone, as a chain over the 30 layers at M = 32 rows (q/k/v/o, gate/up,
    down), in one jitted XLA program, in PyTorch and in numpy's BLAS: what any engine on this
    machine pays per step for the weights (plus the LM head, timed the same way);
@@ -18,7 +19,15 @@ bench_rollout's ratio_b32 goal (2.0x transformers on PyTorch) needs a decode ste
    rates XLA reaches here (2 and 3), beside the engine's own step (at the 2,048-slot window it
    is configured with, and at 64 slots plus attention over the live slots), 32 rows always
    full. Prefill, cells and partly filled batches are left out, so each figure is below what a
-   run of that engine could take.
+   run of that engine could take;
+5. the decode attention over live slots (``rao_jax.kernels.decode``: the C++ FFI kernel on this
+   CPU) against XLA's attention over the whole window, in alternating rounds in one process:
+   the engine's decode step at the 2,048-slot window with every row holding the evaluation's
+   mean context (with ``--trees``; else 2,048 - 40 slots), each way. With ``--trees`` the
+   evaluation's decode at the kernel's step is set against the live-slot floor of 4
+   (``engine_kernel_over_live_floor``; the issue's goal: at most 1.15).
+
+``--quick`` checks that it runs: fewer repeats and rounds, figures not for reporting.
 
 Progress goes to stderr; the last stdout line is one JSON object. Medians over repeats.
 """
@@ -38,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_peak  # noqa: E402  (this folder's: the machine's measured peak)
 
 ROWS = 32
+WINDOW = 2048   # the engine's cache window of the evaluation (its length bucket)
 EVAL_TREES = "runs/recursion/recursive/eval_before/trees.jsonl"
 EVAL_GOAL_S = 8 * 60   # the held-out evaluation goal: 64 recursive trees in 8 minutes
 
@@ -56,14 +66,18 @@ def median_s(fn, n):
   return statistics.median(ts)
 
 
-def decode_steps(model):
+def decode_steps(model, repeats=12):
+  """ms of the engine's decode step with XLA's attention over the whole window (the engine
+  before the live-slot kernel, so these figures keep their meaning across runs), per cache
+  length, every row holding the length less 40 slots."""
   import jax
   import jax.numpy as jnp
+  from rao_jax.model.transformer import CachedForward
   from rao_jax.rollout.engine import programs
-  params, fns = model.inference_params(), model.inference_fns()
+  params, fns = model.inference_params(), CachedForward(model.cfg.replace(kernels="xla"))
   step = functools.partial(programs.decode, fns, 1)
   out = {}
-  for S in (64, 384, 768, 2048):
+  for S in (64, 384, 768, WINDOW):
     state = {"cache": model.init_cache(batch_size=ROWS, max_len=S)}
     R = ROWS
     args = (programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
@@ -73,9 +87,43 @@ def decode_steps(model):
     def run():
       state["cache"], toks, _ = step(params, state["cache"], *args)
       jax.block_until_ready(toks)
-    out[S] = median_s(run, 12) * 1000
+    out[S] = median_s(run, repeats) * 1000
     say(f"decode step, {ROWS} rows, cache {S}: {out[S]:.1f} ms")
   return out
+
+
+def kernel_ab(model, held: int, rounds: int, repeats: int) -> dict:
+  """The engine's decode step at the WINDOW-slot cache with every row holding ``held`` slots,
+  with the decode attention over live slots (the model's kernel choice, "auto") and with XLA's
+  over the whole window ("xla"), in alternating rounds; medians of the rounds' medians, ms."""
+  import jax
+  import jax.numpy as jnp
+  from rao_jax.model.transformer import CachedForward
+  from rao_jax.rollout.engine import programs
+  params = model.inference_params()
+  R = ROWS
+  batch = programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), held, jnp.int32),
+                               jnp.ones((R,), bool))
+  arrays = programs.sampling_arrays(R)
+  steps = {way: functools.partial(programs.decode,
+                                  CachedForward(model.cfg.replace(kernels=choice)), 1)
+           for way, choice in (("kernel", "auto"), ("xla", "xla"))}
+  state = {"cache": model.init_cache(batch_size=R, max_len=WINDOW)}
+
+  def run(way):
+    # Decoding writes slot `held` each time: the rows keep their length across repeats.
+    state["cache"], toks, _ = steps[way](params, state["cache"], batch, arrays)
+    jax.block_until_ready(toks)
+  times = {way: [] for way in steps}
+  for r in range(rounds):
+    for way in (("kernel", "xla") if r % 2 == 0 else ("xla", "kernel")):
+      times[way].append(median_s(lambda: run(way), repeats) * 1000)
+  out = {way: round(statistics.median(ts), 2) for way, ts in times.items()}
+  say(f"decode step, {R} rows holding {held} slots of a {WINDOW}-slot cache: live-slot kernel "
+      f"{out['kernel']} ms, XLA over the window {out['xla']} ms ({rounds} alternating rounds)")
+  return {"rows": R, "held_slots": held, "window": WINDOW, "rounds": rounds,
+          "kernel_step_ms": out["kernel"], "xla_step_ms": out["xla"],
+          "xla_over_kernel": round(out["xla"] / out["kernel"], 3)}
 
 
 def weight_products(cfg):
@@ -148,15 +196,22 @@ def attention_alone(cfg, S=384):
   return ms, gb / ms * 1000
 
 
-def evaluation_floor(cfg, trees_path: str, step_ms_window: float, step_ms_short: float,
-                     weights_ms: float, attention_gbps: float, peak: dict | None) -> dict:
-  """Floors under the decode of the evaluation whose trees are in `trees_path` (see the module
-  doc, 4). Each generated token attends over the positions before it and itself."""
+def eval_contexts(trees_path: str) -> list[int]:
+  """The context each generated token of the evaluation attends over (positions before it and
+  itself)."""
   contexts = []
   with open(trees_path) as f:
     for line in f:
       for node in json.loads(line)["nodes"]:
         contexts += [i + 1 for i, m in enumerate(node["gen_mask"]) if m]
+  return contexts
+
+
+def evaluation_floor(cfg, contexts: list[int], trees_path: str, step_ms_window: float,
+                     step_ms_short: float, weights_ms: float, attention_gbps: float,
+                     peak: dict | None, kernel_step_ms: float) -> dict:
+  """Floors under the decode of the evaluation whose trees are in `trees_path` (see the module
+  doc, 4), and its decode at the live-slot kernel's step (5)."""
   tokens = len(contexts)
   # bench_peak's bytes of one decode over these contexts, less the weights read once: the keys
   # and values every generated token reads.
@@ -165,7 +220,7 @@ def evaluation_floor(cfg, trees_path: str, step_ms_window: float, step_ms_short:
   out = {"trees": trees_path, "generated_tokens": tokens,
          "mean_context": round(sum(contexts) / max(tokens, 1), 1), "max_context": max(contexts),
          "kv_gb_read": round(kv_bytes / 1e9, 1), "goal_s": EVAL_GOAL_S,
-         # The engine as configured: each decode call reads the whole window of every row.
+         # The engine with XLA's attention: each decode call reads the whole window of every row.
          "engine_full_batches_s": round(tokens / ROWS * step_ms_window / 1000, 1),
          # The engine's step without its window (at 64 slots: products, norms, sampling) with
          # attention reading live slots only, at the rate XLA's attention reaches alone.
@@ -175,13 +230,19 @@ def evaluation_floor(cfg, trees_path: str, step_ms_window: float, step_ms_short:
          # no sampling.
          "xla_rates_live_slots_s": round(tokens / ROWS * weights_ms / 1000
                                          + kv_bytes / (attention_gbps * 1e9), 1)}
+  # The engine with the decode attention over live slots: its step measured with every row at
+  # the evaluation's mean context (the kernel's cost is linear in the slots a row holds).
+  out["engine_kernel_s"] = round(tokens / ROWS * kernel_step_ms / 1000, 1)
+  out["engine_kernel_over_live_floor"] = round(out["engine_kernel_s"]
+                                               / out["engine_live_slots_s"], 3)
   if peak is not None:
     out["peak_live_slots_s"] = round(product_flops / (peak["peak_gflops"] * 1e9)
                                      + kv_bytes / (peak["peak_gbps"] * 1e9), 1)
     out["peak"] = {"gflops": peak["peak_gflops"], "gbps": peak["peak_gbps"]}
   say(f"evaluation floor ({tokens} generated tokens, mean context {out['mean_context']}): "
       f"engine as configured {out['engine_full_batches_s']} s, the engine on live slots "
-      f"{out['engine_live_slots_s']} s, XLA's products and attention on live slots "
+      f"{out['engine_live_slots_s']} s, the engine with the live-slot kernel "
+      f"{out['engine_kernel_s']} s, XLA's products and attention on live slots "
       f"{out['xla_rates_live_slots_s']} s, this CPU's peaks {out.get('peak_live_slots_s')} s; "
       f"goal {EVAL_GOAL_S} s")
   return out
@@ -191,10 +252,18 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--trees", default=EVAL_TREES,
                   help="a held-out evaluation's trees.jsonl for the evaluation floor ('' = none)")
+  ap.add_argument("--rounds", type=int, default=6,
+                  help="alternating rounds of the live-slot kernel against XLA's attention")
+  ap.add_argument("--quick", action="store_true",
+                  help="fewer repeats and rounds: checks that it runs (figures not reported)")
   args = ap.parse_args()
+  repeats, rounds = (3, 2) if args.quick else (12, args.rounds)
   from rao_jax.model import load_model
   model = load_model("smollm2-135m", dtype="float32")
-  steps = decode_steps(model)
+  contexts = eval_contexts(args.trees) if args.trees and os.path.exists(args.trees) else None
+  held = round(sum(contexts) / len(contexts)) if contexts else WINDOW - 40
+  ab = kernel_ab(model, held, rounds, repeats)
+  steps = decode_steps(model, repeats)
   slope = (steps[768] - steps[384]) / 384
   (l_xla, l_torch, l_np), (h_xla, h_torch, h_np) = weight_products(model.cfg)
   att_ms, att_gbs = attention_alone(model.cfg)
@@ -202,7 +271,8 @@ def main():
   result = {
       "benchmark": "decode_floor_b32_smollm2_135m_f32", "rows": ROWS,
       "step_ms_cache64": round(steps[64], 1), "step_ms_cache384": round(steps[384], 1),
-      "step_ms_cache768": round(steps[768], 1), "step_ms_cache2048": round(steps[2048], 1),
+      "step_ms_cache768": round(steps[768], 1), "step_ms_cache2048": round(steps[WINDOW], 1),
+      "decode_kernel_ab": ab, "quick": args.quick,
       "attention_ms_per_384_slots_in_step": round(slope * 384, 1),
       "attention_alone_ms_384": round(att_ms, 1), "attention_alone_gb_s": round(att_gbs, 1),
       "layer_products_ms": {"xla": round(l_xla, 1), "torch": round(l_torch, 1),
@@ -214,9 +284,10 @@ def main():
       "weights_floor_tok_s": round(ROWS / floor * 1000, 1),
       "cpu": bench_peak.cpu_model(), "load_avg_1m": round(os.getloadavg()[0], 2),
   }
-  if args.trees and os.path.exists(args.trees):
+  if contexts:
     result["evaluation_floor"] = evaluation_floor(
-        model.cfg, args.trees, steps[2048], steps[64], floor, att_gbs, bench_peak.load_peak())
+        model.cfg, contexts, args.trees, steps[WINDOW], steps[64], floor, att_gbs,
+        bench_peak.load_peak(), ab["kernel_step_ms"])
   elif args.trees:
     say(f"no evaluation floor: {args.trees} does not exist (run the recursion experiment's "
         "eval_before stage, or pass --trees)")

@@ -115,7 +115,6 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
     const int64_t m = T * g;   // query rows of the group: (t, head j) at t * g + j
     float* qs = Scratch(tls_q, m * h);
     float* s = Scratch(tls_scores, m * std::max<int64_t>(n, 1));
-    float* acc = Scratch(tls_acc, h);
     for (int64_t qt = 0; qt < T; ++qt) {
       for (int64_t j = 0; j < g; ++j) {
         const int64_t src = ((b * T + qt) * H + kv * g + j) * h;
@@ -135,10 +134,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
         for (int64_t j = 0; j < n; ++j) si[j] += qc * Io::Load(krow, j);
       }
     }
-    const typename Io::T* vb = pv + (r * K + kv) * S * h;
+    // Softmax of each query row over the slots it sees, in place; probabilities rounded to
+    // the cache's dtype (as XLA casts them before the product with the values), 0 past them.
     for (int64_t i = 0; i < m; ++i) {
-      const int64_t qt = i / g, head = kv * g + i % g;
-      const int64_t last = std::min<int64_t>(n, start[b] + qt + 1);   // slots this query sees
+      const int64_t last = std::min<int64_t>(n, start[b] + i / g + 1);
       float* si = s + i * n;
       float mx = si[0];
       for (int64_t j = 1; j < last; ++j) mx = std::max(mx, si[j]);
@@ -147,14 +146,26 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
         si[j] = std::exp(si[j] - mx);
         sum += si[j];
       }
-      std::fill(acc, acc + h, 0.0f);
-      for (int64_t j = 0; j < last; ++j) {
-        const float p = Io::Round(si[j] / sum);
-        const typename Io::T* vrow = vb + j * h;
-        for (int64_t c = 0; c < h; ++c) acc[c] += p * Io::Load(vrow, c);
+      for (int64_t j = 0; j < last; ++j) si[j] = Io::Round(si[j] / sum);
+      std::fill(si + last, si + n, 0.0f);
+    }
+    // out[i] = sum_j p[i, j] v[j]: slot-major, so each value row is read from memory once for
+    // all m query rows of the group, not once per query head.
+    float* acc = Scratch(tls_acc, m * h);
+    std::fill(acc, acc + m * h, 0.0f);
+    const typename Io::T* vb = pv + (r * K + kv) * S * h;
+    for (int64_t j = 0; j < n; ++j) {
+      const typename Io::T* vrow = vb + j * h;
+      for (int64_t i = 0; i < m; ++i) {
+        const float p = s[i * n + j];
+        float* ai = acc + i * h;
+        for (int64_t c = 0; c < h; ++c) ai[c] += p * Io::Load(vrow, c);
       }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t qt = i / g, head = kv * g + i % g;
       typename Io::T* o = po + ((b * T + qt) * H + head) * h;
-      for (int64_t c = 0; c < h; ++c) Io::Store(o, c, acc[c]);
+      for (int64_t c = 0; c < h; ++c) Io::Store(o, c, acc[i * h + c]);
     }
   });
   return ffi::Error::Success();
