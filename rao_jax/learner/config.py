@@ -43,6 +43,11 @@ class LearnerConfig:
     clip_eps: PPO clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].
     cispo_ratio_max: CISPO clips the importance ratio to [0, cispo_ratio_max] (absolute bound;
       the RAO authors' code uses 5.0).
+    tis_cap: rollout correction (verl's token-level ``rollout_corr``, slime's TIS): each token's
+      term of the "rao" / "token_sum" loss is weighted by min(pi_learner / pi_rollout, tis_cap),
+      held constant in the gradient, for rollouts whose engine computes in other numerics
+      (bf16 SGLang servers or embedded engine) than the learner. 0 (default) = off; on, >= 1
+      (2.0 is usual). The ratio losses already weight by that ratio and refuse it.
     kl_coef: weight of a k3 KL penalty to the reference policy (the initial parameters);
       0 turns it off and keeps no reference copy.
     token_sum_normalizer: the constant C of the "token_sum" loss, in tokens.
@@ -96,6 +101,7 @@ class LearnerConfig:
   child_keep_prob: float = 1.0
   clip_eps: float = 0.2
   cispo_ratio_max: float = 5.0
+  tis_cap: float = 0.0
   kl_coef: float = 0.0
   token_sum_normalizer: float = 1024.0
   temperature: float = 1.0
@@ -151,6 +157,14 @@ class LearnerConfig:
       raise _bad("clip_eps", self.clip_eps, "must be in (0, 1), e.g. 0.2.")
     if not self.cispo_ratio_max > 0:
       raise _bad("cispo_ratio_max", self.cispo_ratio_max, "must be > 0 (the authors use 5.0).")
+    if not (isinstance(self.tis_cap, (int, float)) and math.isfinite(self.tis_cap)
+            and (self.tis_cap == 0 or self.tis_cap >= 1)):
+      raise _bad("tis_cap", self.tis_cap, "must be 0 (off) or a finite cap >= 1, e.g. 2.0 (a cap "
+                 "below 1 would shrink every on-policy token's weight).")
+    if self.tis_cap and losses.LOSSES[self.loss].uses_rollout_logp:
+      raise _bad("tis_cap", self.tis_cap, f"loss {self.loss!r} already weights each token by its "
+                 "ratio to the rollout's log-prob; set tis_cap=0, or use loss 'rao' or "
+                 "'token_sum' with it.")
     if not self.token_sum_normalizer > 0:
       raise _bad("token_sum_normalizer", self.token_sum_normalizer,
                  "must be > 0 (e.g. the longest trajectory length in tokens).")

@@ -9,6 +9,12 @@ which is positive exactly when A(v) is, so the PPO min/max logic can use its sig
 RAO_SPEC default (on-policy REINFORCE with the leave-one-out baseline and depth weights):
 
     L = -(1/N) sum_v w_d(v) A(v) (1/|M_v|) sum_{t in M_v} log pi(y_t | y_<t)
+
+Rollout correction (``LearnerConfig.tis_cap`` > 0; verl's token-level ``rollout_corr``, slime's
+TIS): the rollout engine samples from its own numerics (bf16 on SGLang, a bf16 embedded engine)
+while the learner's gradient assumes its own float32 policy drew the tokens. Each REINFORCE term
+is then weighted by the truncated importance weight min(pi_learner / pi_rollout, tis_cap) of its
+token, held constant in the gradient (``truncated_is_weight``).
 """
 from __future__ import annotations
 
@@ -34,8 +40,9 @@ class LossSpec:
       (coef = w_d A, normalizer = LearnerConfig.token_sum_normalizer).
     uses_rollout_logp: True when the loss needs the rollout logprobs (ratio-based losses).
     linear: True when the loss is exactly -sum(coef * logp) over loss tokens with no
-      diagnostics; the step then computes it with the LM head's gradient fused into the
-      forward pass (``rao_jax.model.token_logprob_sum``) instead of calling ``fn``.
+      diagnostics (rollout correction off); the step then computes it with the LM head's
+      gradient fused into the forward pass (``rao_jax.model.token_logprob_sum``) instead of
+      calling ``fn``.
   """
   name: str
   fn: LossFn
@@ -77,15 +84,59 @@ def _masked_ratio(logp_BxT, batch):
   return jnp.exp(log_ratio), log_ratio
 
 
+# |log(pi_learner / pi_rollout)| above this is clipped inside the KL diagnostic only: exp of a
+# larger value overflows float32 and would log inf for one pathological token.
+_KL_LOG_RATIO_MAX = 20.0
+
+
+def truncated_is_weight(logp_BxT, batch, cap):
+  """Token-level truncated importance weight of the learner's policy over the rollout's.
+
+  w = min(exp(logp - logp_rollout), cap) on loss tokens (1 elsewhere), with no gradient: the
+  weight rescales each token's REINFORCE term as if the learner's own policy had sampled it,
+  and the cap bounds the variance a token the rollout engine under-rated would add.
+
+  Args:
+    logp_BxT: the learner's float32 log-probs of the targets.
+    batch: the micro-batch (``loss_mask_BxT``, ``rollout_logp_BxT``).
+    cap: the truncation, >= 1.
+
+  Returns:
+    (w_BxT, sums over loss tokens): ``tis_weight_mean`` (of w), ``tis_clip_frac`` (tokens whose
+    ratio exceeded the cap) and ``rollout_kl`` (the k3 estimate of KL(rollout || learner), the
+    gap the weights correct).
+  """
+  mask = batch["loss_mask_BxT"]
+  log_ratio = jnp.where(mask, jax.lax.stop_gradient(logp_BxT) - batch["rollout_logp_BxT"], 0.0)
+  ratio = jnp.exp(log_ratio)
+  w = jnp.minimum(ratio, cap)
+  # Sampled from the rollout: KL(q || p) = E_q[r - 1 - log r] with r = p / q, each term >= 0.
+  lr = jnp.clip(log_ratio, -_KL_LOG_RATIO_MAX, _KL_LOG_RATIO_MAX)
+  k3 = jnp.exp(lr) - 1.0 - lr
+  return w, {"tis_weight_mean": jnp.sum(jnp.where(mask, w, 0.0)),
+             "tis_clip_frac": jnp.sum((mask & (ratio > cap)).astype(jnp.float32)),
+             "rollout_kl": jnp.sum(jnp.where(mask, k3, 0.0))}
+
+
+def _reinforce(logp_BxT, batch, cfg):
+  """-sum(coef * logp) over loss tokens, each term weighted by its truncated importance weight
+  when rollout correction is on (``cfg.tis_cap`` > 0)."""
+  mask = batch["loss_mask_BxT"]
+  coef = batch["coef_BxT"]
+  diag = {}
+  if cfg.tis_cap > 0:
+    w, diag = truncated_is_weight(logp_BxT, batch, cfg.tis_cap)
+    coef = coef * w
+  return -jnp.sum(jnp.where(mask, coef * logp_BxT, 0.0)), diag
+
+
 @register_loss("rao", linear=True)
 def rao_loss(logp_BxT, batch, cfg):
   """RAO_SPEC default: depth-weighted leave-one-out REINFORCE, per-node token mean.
 
   Recursive Agent Optimization (RAO_SPEC, "Policy-gradient loss"). coef = w_d A / |M_v|.
   """
-  del cfg
-  mask = batch["loss_mask_BxT"]
-  return -jnp.sum(jnp.where(mask, batch["coef_BxT"] * logp_BxT, 0.0)), {}
+  return _reinforce(logp_BxT, batch, cfg)
 
 
 @register_loss("token_sum", normalization="token_sum", linear=True)
@@ -95,9 +146,7 @@ def token_sum_loss(logp_BxT, batch, cfg):
   Long trajectories weigh proportionally more (no 1/|M_v|), as in Dr. GRPO (Liu et al. 2025,
   "Understanding R1-Zero-Like Training"). coef = w_d A; the step divides by C.
   """
-  del cfg
-  mask = batch["loss_mask_BxT"]
-  return -jnp.sum(jnp.where(mask, batch["coef_BxT"] * logp_BxT, 0.0)), {}
+  return _reinforce(logp_BxT, batch, cfg)
 
 
 @register_loss("ppo_clip", uses_rollout_logp=True)

@@ -153,7 +153,7 @@ def micro_batch_loss(params, ref_params, mb: Mapping[str, jax.Array], normalizer
   """
   spec = losses_lib.get_loss(cfg.loss)
   mask = mb["loss_mask_BxT"]
-  if spec.linear and cfg.kl_coef <= 0:
+  if spec.linear and cfg.kl_coef <= 0 and not cfg.tis_cap:
     # -sum(coef * logp) with the LM head's gradient computed in the forward pass (no logits
     # recomputed in the backward). The KL term needs logp's own gradient: generic path then.
     model, hidden_BxTxD = _forward(graphdef, params, mb, cfg, frozen)
@@ -269,7 +269,7 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], statics: StepS
   }
   if "kl" in aux:
     metrics["kl"] = aux["kl"]
-  for k in ("clip_frac", "ratio_mean"):
+  for k in ("clip_frac", "ratio_mean", "tis_weight_mean", "tis_clip_frac", "rollout_kl"):
     if k in aux:
       metrics[k] = aux[k] / n_tok
   return new_state, metrics
