@@ -50,7 +50,8 @@ interval over the seeds' differences; "significant" when it excludes 0.
 
 --only=baseline_scale runs and reports one comparison alone (issue 45): the paper's baseline
 (rao, lambda0) against the default (default, default_lambda0) on the deep task, 8 seeds, at
-lambda 0.5 and at 0 (where the two baselines coincide and only the equal-group filter differs):
+lambda 0.5 and at 0 (where the two baselines coincide and only the equal-group filter differs),
+with the lr=0 control as the reference every arm is also paired with:
 held-out success per arm with two-level bootstrap intervals over seeds and tasks, the pairs'
 differences by seed (and held out by task) with the exact sign-flip p over seeds, and the
 trainer's drift metrics (`train/drift/*`) as per-step means over each run. Its runs live
@@ -124,13 +125,15 @@ TASKS = {
                   ("rao", "no_depth_weights", "lambda0", "tree_advantage", "train_roots",
                    "control", "shuffled_baselines", "flipped_sign")),
 }
-# Comparisons run alone with --only=NAME: the task, and per label the (paper, default) arms
-# paired by seed. baseline_scale: the paper's baseline against the library's default
-# (issue 45, item 7). At lambda 0 a root's R is its success, so "loo" and "loo_success" are the
-# same baseline and the arms differ only in dropping equal groups.
+# Comparisons run alone with --only=NAME: the task, per label the (paper, default) arms paired
+# by seed, and reference arms that every arm is also paired with. baseline_scale: the paper's
+# baseline against the library's default (issue 45, item 7). At lambda 0 a root's R is its
+# success, so "loo" and "loo_success" are the same baseline and the arms differ only in
+# dropping equal groups. The lr=0 control is the warm start itself: whether an arm's RL moved
+# held-out success at all.
 COMPARISONS = {
     "baseline_scale": ("deep", {"lambda 0.5": ("rao", "default"),
-                                "lambda 0": ("lambda0", "default_lambda0")}),
+                                "lambda 0": ("lambda0", "default_lambda0")}, ("control",)),
 }
 LAST = 10   # training steps averaged for "final" figures
 # The trainer's drift metrics (`rao_jax.metrics.drift_stats`, `train/drift/*`), one per step.
@@ -562,7 +565,7 @@ def _comparison_result(name: str, results: dict[str, dict[int, dict]]) -> dict:
   bootstrap over seeds. Pairs: the default arm minus the paper's, seed by seed (same warm
   start, same tasks at every step and the same held-out tasks) and, held out, task by task.
   """
-  task, pairs = COMPARISONS[name]
+  task, pairs, references = COMPARISONS[name]
   arms = {}
   for v, runs in results.items():
     if not runs:
@@ -580,28 +583,35 @@ def _comparison_result(name: str, results: dict[str, dict[int, dict]]) -> dict:
       if np.isfinite(vals).all():
         arms[v][k] = _seed_stat(vals)
     arms[v]["minutes_per_run"] = round(float(np.mean([runs[s]["minutes"] for s in seeds])), 2)
-  paired = {}
-  for label, (paper, default) in pairs.items():
-    if paper not in arms or default not in arms:
-      continue
-    seeds = sorted(set(results[paper]) & set(results[default]))
+  def pair(a: str, b: str, keys) -> dict:
+    """Arm a minus arm b, seed by seed, and held out task by task."""
+    seeds = sorted(set(results[a]) & set(results[b]))
     rows = []
     for s in seeds:
-      a, b = results[default][s]["eval_by_task"], results[paper][s]["eval_by_task"]
-      rows.append([a[t] - b[t] for t in sorted(set(a) & set(b))])
-    fa = {s: _run_figures(results[default][s]) for s in seeds}
-    fb = {s: _run_figures(results[paper][s]) for s in seeds}
-    paired[label] = {"default_minus_paper": f"{default} - {paper}", "n": len(seeds),
-                     "held_out": _paired_stat([np.mean(r) for r in rows], rows)}
-    for k in ARM_KEYS:
+      x, y = results[a][s]["eval_by_task"], results[b][s]["eval_by_task"]
+      rows.append([x[t] - y[t] for t in sorted(set(x) & set(y))])
+    fa = {s: _run_figures(results[a][s]) for s in seeds}
+    fb = {s: _run_figures(results[b][s]) for s in seeds}
+    out = {"n": len(seeds), "held_out": _paired_stat([np.mean(r) for r in rows], rows)}
+    for k in keys:
       d = [fa[s][k] - fb[s][k] for s in seeds]
       if np.isfinite(d).all():
-        paired[label][k] = _paired_stat(d)
+        out[k] = _paired_stat(d)
+    return out
+
+  paired = {}
+  for label, (paper, default) in pairs.items():
+    if paper in arms and default in arms:
+      paired[label] = {"default_minus_paper": f"{default} - {paper}"} | pair(default, paper,
+                                                                             ARM_KEYS)
+  vs_reference = {f"{v} - {ref}": pair(v, ref, ("train_success",))
+                  for ref in references if ref in arms for v in arms if v != ref}
   curves = {v: {"success": np.nanmean([runs[s]["success"] for s in runs], axis=0),
                 "groups_all_equal": np.nanmean([runs[s]["drift"]["groups_all_equal"]
                                                 for s in runs], axis=0)}
             for v, runs in results.items() if runs}
   return {"comparison": name, "task": task, "arms": arms, "paired": paired,
+          "vs_reference": vs_reference,
           "curves": {v: {k: [round(float(x), 4) for x in c] for k, c in cs.items()}
                      for v, cs in curves.items()}}
 
@@ -622,6 +632,10 @@ def _comparison_notes(name: str, result: dict) -> list[str]:
         "At lambda 0 a root's R is its success, so 'loo' and 'loo_success' are the same "
         "baseline: the lambda-0 pair differs only in dropping equal groups (and so in skipping "
         "the steps where every group was equal).")
+    notes.append(
+        "'control' (lr = 0) is the warm start itself, sampled at every step and evaluated "
+        "greedy at the end; its credit assignment moves nothing. 'vs_reference' pairs every "
+        "arm with it: whether RL moved held-out success at all.")
     depth = [a.get("drift/at_depth_limit", {}).get("mean") for a in result["arms"].values()]
     if depth and all(d == 0 for d in depth):
       notes.append(
@@ -654,6 +668,10 @@ def _comparison_line(out: dict) -> dict:
                                        "drift/helpers_outside_root", "delegating")
                              if k in p}
                      for label, p in out["paired"].items()},
+          "vs_reference": {pair: {k: {"delta": p[k]["delta"], "ci95": p[k]["ci95"],
+                                      "p": p[k]["p_sign_flip"]}
+                                  for k in ("held_out", "train_success") if k in p}
+                           for pair, p in out.get("vs_reference", {}).items()},
           "minutes_total": out["minutes_total"]}
 
 
@@ -661,23 +679,24 @@ def _plot_comparison(out: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  pairs = COMPARISONS[out["comparison"]][1]
+  _, pairs, references = COMPARISONS[out["comparison"]]
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
   names, means, errs = [], [], [[], []]
-  for label, arms in pairs.items():
-    for v in arms:
-      if v not in out["arms"]:
-        continue
-      a = out["arms"][v]
-      names.append(f"{v} ({label})")
-      means.append(a["held_out"]["mean"])
-      errs[0].append(a["held_out"]["mean"] - a["held_out"]["ci95"][0])
-      errs[1].append(a["held_out"]["ci95"][1] - a["held_out"]["mean"])
-      ls = "-" if v.startswith("default") else "--"
-      for ax, key in zip(axes[1:], ("success", "groups_all_equal")):
-        y = np.asarray(out["curves"][v][key], float)
-        y = np.convolve(y, np.ones(5) / 5, mode="valid")
-        ax.plot(np.arange(5, len(y) + 5), y, ls=ls, label=f"{v} ({label})")
+  shown = [(label, v) for label, arms in pairs.items() for v in arms] + [
+      ("reference", v) for v in references]
+  for label, v in shown:
+    if v not in out["arms"]:
+      continue
+    a = out["arms"][v]
+    names.append(f"{v} ({label})")
+    means.append(a["held_out"]["mean"])
+    errs[0].append(a["held_out"]["mean"] - a["held_out"]["ci95"][0])
+    errs[1].append(a["held_out"]["ci95"][1] - a["held_out"]["mean"])
+    ls = ":" if label == "reference" else "-" if v.startswith("default") else "--"
+    for ax, key in zip(axes[1:], ("success", "groups_all_equal")):
+      y = np.asarray(out["curves"][v][key], float)
+      y = np.convolve(y, np.ones(5) / 5, mode="valid")
+      ax.plot(np.arange(5, len(y) + 5), y, ls=ls, label=f"{v} ({label})")
   axes[0].barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
   axes[0].set_xlim(0, 1)
   axes[0].set_title("held-out success (95% bootstrap, seeds x tasks)")
@@ -797,9 +816,9 @@ def main() -> None:
   p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.only:
-    task, pairs = COMPARISONS[args.only]
+    task, pairs, references = COMPARISONS[args.only]
     args.tasks = task
-    args.variants = ",".join(v for pair in pairs.values() for v in pair)
+    args.variants = ",".join([v for pair in pairs.values() for v in pair] + list(references))
   args.workdir = args.workdir or os.path.join(
       ROOT, "runs", f"rao_{args.only}" if args.only else "rao_ablations")
   tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

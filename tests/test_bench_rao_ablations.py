@@ -61,7 +61,7 @@ def _run(solved: dict[str, float], groups_equal: float) -> dict:
 
 def test_comparison_pairs_seeds_and_held_out_tasks():
   tasks = [f"t{i}" for i in range(16)]
-  results = {v: {} for v in ("rao", "default", "lambda0", "default_lambda0")}
+  results = {v: {} for v in ("rao", "default", "lambda0", "default_lambda0", "control")}
   for s in range(3):
     # The paper's arm fails a quarter of every seed's tasks; the default solves every task.
     # Stored in another order: the pairs must match tasks by id.
@@ -69,6 +69,7 @@ def test_comparison_pairs_seeds_and_held_out_tasks():
     results["default"][s] = _run({t: 1.0 for t in reversed(tasks)}, 0.5)
     results["lambda0"][s] = _run({t: 1.0 for t in tasks}, 0.5)
     results["default_lambda0"][s] = _run({t: 1.0 for t in tasks}, 0.5)
+    results["control"][s] = _run({t: float(t not in tasks[:8]) for t in tasks}, 0.5)
   out = bench._comparison_result("baseline_scale", results)
   assert out["arms"]["rao"]["held_out"]["mean"] == 0.75
   assert out["arms"]["rao"]["held_out"]["solved"] == "36/48"
@@ -85,5 +86,9 @@ def test_comparison_pairs_seeds_and_held_out_tasks():
   notes = bench._comparison_notes("baseline_scale", out)
   assert any("same baseline" in n for n in notes)
   assert any("at_depth_limit is 0 in every arm" in n for n in notes)
+  assert out["vs_reference"]["rao - control"]["held_out"]["delta"] == 0.25
+  assert out["vs_reference"]["default - control"]["held_out"]["delta"] == 0.5
   line = bench._comparison_line(out)
   assert line["paired"]["lambda 0.5"]["held_out"]["delta"] == 0.25
+  assert set(line["vs_reference"]) == {f"{v} - control" for v in
+                                       ("rao", "default", "lambda0", "default_lambda0")}
