@@ -390,6 +390,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       child_keep_prob=1.0 if sft else float(config.rl.get("child_keep_prob", 1.0)),
       clip_eps=float(config.rl.clip_eps),
       cispo_ratio_max=float(config.rl.cispo_ratio_max),
+      tis_cap=0.0 if sft else float(config.rl.get("tis_cap", 0.0)),
       kl_coef=0.0 if sft else float(config.rl.kl_coef),
       temperature=1.0 if sft else max(float(config.agent.temperature), 1e-6),
       lr=float(config.sft.lr if sft else config.optim.lr),

@@ -170,3 +170,14 @@ def test_bf16_engine_rollouts_show_the_gap_the_weights_correct():
   assert bf16["rollout_kl"] > 0
   assert fp32["rollout_logp_abs_diff"] < 1e-4, fp32
   assert abs(fp32["tis_weight_mean"] - 1.0) < 1e-4 and fp32["tis_clip_frac"] == 0.0
+
+
+def test_run_config_field_reaches_the_learner():
+  """`--config.rl.tis_cap=2` turns it on for RL; supervised warm starts never weight."""
+  from experiments.configs import textcraft_synth
+  from rao_jax import experiment as X
+  c = textcraft_synth.get_config("recursive,smoke")
+  assert X.learner_config(c, "/tmp/unused").tis_cap == 0.0
+  c.rl.tis_cap = 2.0
+  assert X.learner_config(c, "/tmp/unused").tis_cap == 2.0
+  assert X.learner_config(c, "/tmp/unused", sft=True).tis_cap == 0.0

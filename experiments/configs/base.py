@@ -93,6 +93,8 @@ def base_config() -> config_dict.ConfigDict:
   c.rl.loss = "rao"                  # rao | token_sum | ppo_clip | cispo
   c.rl.clip_eps = 0.2                # ppo_clip epsilon
   c.rl.cispo_ratio_max = 5.0         # cispo: the importance ratio is clipped to [0, this]
+  c.rl.tis_cap = 0.0                 # rollout correction (rao/token_sum): token weights
+                                     # min(pi_learner/pi_rollout, this); 0 = off, e.g. 2.0
   c.rl.kl_coef = 0.0                 # KL penalty to the initial policy (0 = off)
   c.rl.overlap = False               # overlap next step's rollouts with this update (1 off-policy)
   c.rl.max_staleness = 1             # with overlap: max weight versions a sample may lag
