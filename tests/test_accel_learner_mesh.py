@@ -67,7 +67,8 @@ def test_attention_kernel_runs_on_local_rows_and_heads(model_cfg):
     assert shapes and set(shapes) == {local}, (target, shapes)
   # The same jitted step traced without the mesh: the partitioner feeds the kernel whole
   # micro-batches (every device computes every row's attention), which the above rules out.
-  bare = step._fn.lower(learner.state, dev_batch).compile().as_text()   # pylint: disable=protected-access
+  bare_step = step._fn   # pylint: disable=protected-access
+  bare = bare_step.lower(learner.state, dev_batch).compile().as_text()
   assert set(_kernel_shapes(bare, mkl.ATTENTION_FWD)) == {(ROWS, T, H, h)}
 
 

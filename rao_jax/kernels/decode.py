@@ -33,13 +33,11 @@ products that XLA's GEMMs run well, and a prefill is a small share of a rollout'
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from rao_jax.kernels import decode_cpu, mkl
-from rao_jax.kernels.attention import MASK_VALUE, cached_attention
+from rao_jax.kernels.attention import MASK_VALUE, cache_rows_attention
 
 _GPU_BLOCK = 64         # slots per step of the Triton loop (a power of two, as Triton wants)
 _GPU_MIN_ROWS = 16      # Triton's dot wants 16+ rows: a kv head's g query heads are padded to it
@@ -61,7 +59,6 @@ def _check(q, k, v, start):
 def xla_decode_attention(q_Bx1xHxh, k_NxKxhxS, v_NxKxSxh, start_B):
   """The reference: XLA's attention of cache rows [0, B) over all S slots, masked past each
   row's start (``attention.cache_rows_attention``: rows read in place on CPU)."""
-  from rao_jax.kernels.attention import cache_rows_attention   # pylint: disable=g-import-not-at-top
   S = k_NxKxhxS.shape[-1]
   visible_Bx1xS = (jnp.arange(S, dtype=jnp.int32)[None, None, :]
                    <= start_B.astype(jnp.int32)[:, None, None])

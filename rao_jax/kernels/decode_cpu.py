@@ -34,7 +34,8 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def _build() -> str:
-  sources = [os.path.join(mkl._SOURCE_DIR, s) for s in _SOURCES]   # pylint: disable=protected-access
+  source_dir = mkl._SOURCE_DIR   # pylint: disable=protected-access
+  sources = [os.path.join(source_dir, s) for s in _SOURCES]
   # No -ffast-math: glibc's exact expf and the written order of the sums keep the scores and
   # probabilities within rounding of XLA's, so greedy decoding picks the same tokens.
   return mkl.compile_library("decode_attention", sources, ["-O3", "-march=native"], [])
