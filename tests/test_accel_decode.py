@@ -70,6 +70,26 @@ def test_kernel_matches_xla_and_reads_only_live_slots(name, dtype):
   np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_gpu_kernel_splits_long_rows_into_parts():
+  """At 4,096 slots the GPU kernel runs each row as 4 parts (own programs) and combines their
+  softmaxes: rows ending in each part, and the export for cuda, as at 1,024 slots."""
+  S_long = 4096
+  assert decode._gpu_splits(S_long) == 4   # pylint: disable=protected-access
+  keys = jax.random.split(jax.random.key(2), 3)
+  q = jax.random.normal(keys[0], (4, 1, K * g, h), jnp.float32)
+  k = jax.random.normal(keys[1], (4, K, h, S_long), jnp.float32)
+  v = jax.random.normal(keys[2], (4, K, S_long, h), jnp.float32)
+  start = jnp.asarray([5, 1500, 3071, 4095], jnp.int32)
+  kernel = jax.jit(functools.partial(decode.gpu_decode_attention, interpret=True))
+  np.testing.assert_allclose(kernel(q, k, v, start), decode.xla_decode_attention(q, k, v, start),
+                             atol=2e-6, rtol=2e-6)
+  exported = jax.export.export(
+      jax.jit(decode.gpu_decode_attention), platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+          q, k, v, start)
+  assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
 def test_cpu_kernel_reads_scattered_rows_and_several_queries():
   """The FFI kernel's general form: T queries per row over cache rows in any order, query t
   seeing slots [0, start + t], against XLA's attention over the gathered rows."""

@@ -12,7 +12,7 @@ buckets of 1,024 and 2,048). Each kernel here reads [0, start_b] of row b and st
   * ``cpu``: a C++ XLA FFI handler (``decode_cpu``; threads over rows x kv heads, float32 and
     bfloat16) where the ``kernels`` choice takes it (``decode_cpu.usable``), else XLA's;
   * ``cuda``: a Pallas (Triton) kernel (``gpu_decode_attention``), one program per (row, kv
-    head) looping over blocks of live slots only. JAX's ``pallas.ops.gpu.decode_attention``
+    head, part of a long row's slots) looping over blocks of live slots only. JAX's ``pallas.ops.gpu.decode_attention``
     takes keys and values as [B, S, K, h], so calling it on this cache would transpose (copy)
     the whole cache of every layer at every step, the read this exists to avoid; the cache's
     key layout [h, S] is what the scores' product wants without a transpose;
@@ -87,13 +87,25 @@ def _gpu_fits(h: int, S: int) -> bool:
   return h >= 16 and h & (h - 1) == 0 and S % _GPU_BLOCK == 0
 
 
+def _gpu_splits(S: int) -> int:
+  """Parts the slots of a row are split into, each its own program: a long context with few
+  rows (8 rows x 8 kv heads at 40K) would otherwise run as few programs as the GPU has SMs.
+  Each part is at least 1,024 slots, a whole number of blocks, and there are at most 16."""
+  p = 16
+  while p > 1 and (S // p < 1024 or S % (p * _GPU_BLOCK)):
+    p //= 2
+  return p
+
+
 def gpu_decode_attention(q_Bx1xHxh, k_NxKxhxS, v_NxKxSxh, start_B, *, interpret: bool = False):
   """Decode attention by a Pallas Triton kernel (NVIDIA GPUs; ``interpret`` runs it on any
   backend, for tests). h must be a power of two >= 16 and S a multiple of 64.
 
-  Grid (row, kv head): each program holds its g query heads (padded to 16 rows for Triton's
-  dot) and loops over blocks of 64 slots up to the row's last live slot, with flash
-  attention's running softmax in float32; slots past the row's length are never loaded.
+  Grid (row, kv head, part of the slots): each program holds its g query heads (padded to 16
+  rows for Triton's dot) and loops over blocks of 64 slots of its part up to the row's last
+  live slot, with flash attention's running softmax in float32; slots past the row's length
+  are never loaded. The parts' partial softmaxes are combined outside the kernel (a part past
+  the row's length contributes nothing).
   """
   from jax.experimental import pallas as pl   # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as plgpu   # pylint: disable=g-import-not-at-top
@@ -109,43 +121,60 @@ def gpu_decode_attention(q_Bx1xHxh, k_NxKxhxS, v_NxKxSxh, start_B, *, interpret:
   # A start past the cache (the caller keeps it inside) reads the whole row, as XLA's mask.
   lengths_B = jnp.minimum(start_B.astype(jnp.int32) + 1, S)
   blk = _GPU_BLOCK
+  parts = _gpu_splits(S)
+  part_blocks = S // parts // blk
   f32 = q.dtype == jnp.float32
 
   def dot(a, b):
     # Full float32 products for float32 caches (Triton would use TF32 otherwise).
     return plgpu.dot(a, b, allow_tf32=not f32) if f32 else plgpu.dot(a, b)
 
-  def kernel(len_ref, q_ref, k_ref, v_ref, o_ref):
+  def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref):
     n = len_ref[()]
+    first = pl.program_id(2) * part_blocks
     q_Gxh = q_ref[...]
 
     def body(i, carry):
+      o_prev, m_prev, l_prev = carry
       start = pl.multiple_of(i * blk, blk)
-      k_hxn = k_ref[:, pl.ds(start, blk)]
-      v_nxh = v_ref[pl.ds(start, blk), :]
-      s = dot(q_Gxh, k_hxn)
+      s = dot(q_Gxh, k_ref[:, pl.ds(start, blk)])
       idx = start + jnp.arange(blk, dtype=jnp.int32)[None, :]
       s = jnp.where(idx < n, s, MASK_VALUE)
-      return _online_softmax_step(s, v_nxh, *carry, dot=dot)
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      corr = jnp.exp(m_prev - m_next)
+      p = jnp.exp(s - m_next[:, None])
+      v_nxh = v_ref[pl.ds(start, blk), :]
+      o_next = corr[:, None] * o_prev + dot(p.astype(v_nxh.dtype), v_nxh)
+      return o_next, m_next, corr * l_prev + jnp.sum(p, axis=1)
 
-    init = (jnp.full((G, 1), MASK_VALUE, jnp.float32), jnp.zeros((G, 1), jnp.float32),
-            jnp.zeros((G, h), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, pl.cdiv(n, blk), body, init)
-    o_ref[...] = (acc / l).astype(o_ref.dtype)
+    init = (jnp.zeros((G, h), jnp.float32), jnp.full((G,), MASK_VALUE, jnp.float32),
+            jnp.zeros((G,), jnp.float32))
+    last = jnp.minimum(pl.cdiv(n, blk), first + part_blocks)
+    o, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
+    o_ref[...], l_ref[...], m_ref[...] = o, l, m
 
-  out = pl.pallas_call(
+  part = lambda b, kv, j: (b, kv, j, 0, 0)   # noqa: E731
+  o, l, m = pl.pallas_call(
       kernel,
-      grid=(B, K),
-      in_specs=[pl.BlockSpec((None,), lambda b, kv: (b,)),
-                pl.BlockSpec((None, None, G, h), lambda b, kv: (b, kv, 0, 0)),
-                pl.BlockSpec((None, None, h, S), lambda b, kv: (b, kv, 0, 0)),
-                pl.BlockSpec((None, None, S, h), lambda b, kv: (b, kv, 0, 0))],
-      out_specs=pl.BlockSpec((None, None, G, h), lambda b, kv: (b, kv, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, K, G, h), q.dtype),
+      grid=(B, K, parts),
+      in_specs=[pl.BlockSpec((None,), lambda b, kv, j: (b,)),
+                pl.BlockSpec((None, None, G, h), lambda b, kv, j: (b, kv, 0, 0)),
+                pl.BlockSpec((None, None, h, S), lambda b, kv, j: (b, kv, 0, 0)),
+                pl.BlockSpec((None, None, S, h), lambda b, kv, j: (b, kv, 0, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, G, h), part),
+                 pl.BlockSpec((None, None, None, G), lambda b, kv, j: (b, kv, j, 0)),
+                 pl.BlockSpec((None, None, None, G), lambda b, kv, j: (b, kv, j, 0))],
+      out_shape=[jax.ShapeDtypeStruct((B, K, parts, G, h), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, parts, G), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, parts, G), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="rao_decode_attention_gpu",
   )(lengths_B, q, k_NxKxhxS, v_NxKxSxh)
-  return out[:, :, :g].reshape(B, 1, H, h)
+  # Part 0 always holds a live slot, so the largest m is a real score's; parts past the row's
+  # length (m = MASK_VALUE, l = 0) get weight 0.
+  w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))
+  out = jnp.sum(w[..., None] * o, axis=2) / jnp.sum(w * l, axis=2)[..., None]
+  return out[:, :, :g].astype(q.dtype).reshape(B, 1, H, h)
 
 
 # ---- TPU: Pallas -----------------------------------------------------------------------------
