@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import textwrap
 import time
 import uuid
 from typing import Mapping
@@ -250,6 +251,12 @@ def plot_series(rows: list[dict], keys: tuple[str, ...] | None = None
     # easy) are the same curve: name it once, by the split, not "success = success on easy".
     ks = [k for k in ks if not any(o.startswith(k + "_") for o in ks)]
     labels = list(dict.fromkeys(metric_label(k) for k in ks))
+    # Curves from one source say it once: "success = root reward (sampled trees)".
+    wheres = {lb[lb.rfind(" ("):] for lb in labels if lb.endswith(")") and " (" in lb}
+    if len(labels) > 1 and len(wheres) == 1 and all(lb.endswith(next(iter(wheres)))
+                                                    for lb in labels):
+      where = next(iter(wheres))
+      labels = [" = ".join(lb[:-len(where)] for lb in labels) + where]
     out.append((" = ".join(labels), list(pts)))
   return out
 
@@ -279,7 +286,9 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -
       continue
     for i, (label, pts) in enumerate(curves):
       xs, ys = zip(*pts)
-      ax.plot(xs, ys, marker="o", markersize=3, linestyle=styles[i % len(styles)], label=label)
+      # Wrapped, so a legend naming several identical curves stays inside its panel.
+      ax.plot(xs, ys, marker="o", markersize=3, linestyle=styles[i % len(styles)],
+              label=textwrap.fill(label, 60))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")

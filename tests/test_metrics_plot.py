@@ -15,6 +15,12 @@ def test_identical_curves_are_drawn_once_under_every_name(tmp_path):
       "share of trees delegating (sampled trees)",
       "success on hard (held-out, greedy)"])
   assert not any("/" in label or "_" in label for label in series)
+  # Identical curves from one source name it once; from several, each keeps its own.
+  same = [{"step": s, "train/success": 0.0, "train/reward": 0.0} for s in range(2)]
+  assert [lb for lb, _ in metrics.plot_series(same)] == ["root reward = success (sampled trees)"]
+  mixed = [{**r, "eval/success_easy": 0.0} for r in same]
+  assert [lb for lb, _ in metrics.plot_series(mixed)] == [
+      "success on easy (held-out, greedy) = root reward (sampled trees) = success (sampled trees)"]
   assert series["root reward (sampled trees)"] == [(0, 0.0), (1, 0.1), (2, 0.2)]
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
