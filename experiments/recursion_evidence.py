@@ -465,6 +465,24 @@ def share_stages(src: str, root: str, modes) -> list[str]:
   return linked
 
 
+def weights_fingerprint(workdir: str, step: int | None = None) -> str:
+  """sha256 over a run checkpoint's parameters (names and bytes, in name order): the warm start
+  is rebuilt in each session (runs/ is not kept), and a stage result carried over from another
+  session (eval_before, a candidate's RL checkpoints) is valid only for the same weights."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
+  from rao_jax.learner import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  model, _, _, _ = evaluation.load_checkpoint(workdir, step)
+  named, _ = ckpt.flatten_with_names(nnx.state(model, nnx.Param))
+  h = hashlib.sha256()
+  for name in sorted(named):
+    h.update(name.encode())
+    h.update(np.ascontiguousarray(np.asarray(named[name])).tobytes())
+  return h.hexdigest()
+
+
 def val_pick(rl_dir: str) -> tuple[int | None, list]:
   """The RL step whose checkpoint the validation split prefers: the best greedy validation
   success logged after a step (`eval/success_val`), the earliest step on ties (the fewest
@@ -518,7 +536,8 @@ def run_stages(mode: str, s: dict, root: str, names=STAGES) -> tuple[dict, dict]
 
   def do_sft(d):
     r = sft.run_sft(config_for(mode, s), d, demos_path=demos_file)
-    return {k: r[k] for k in ("steps", "num_demos", "final_nll")}
+    return {**{k: r[k] for k in ("steps", "num_demos", "final_nll")},
+            "weights_sha256": weights_fingerprint(d)}
 
   diffs = (s["eval_diff"],)
   fns = {"demos": do_demos, "sft": do_sft,

@@ -80,3 +80,29 @@ def test_val_pick_takes_the_best_and_earliest_validated_step(tmp_path):
   step, curve = rec.val_pick(str(tmp_path / "c" / "rl"))
   assert step == 2 and curve == [(1, 0.5), (2, 0.75), (3, 0.75), (4, 0.625)]
   assert rec.val_pick(str(tmp_path / "nothing")) == (None, [])
+
+
+def test_carry_out_and_in_keep_what_resumes_and_refuse_another_warm_start(tmp_path):
+  root, dest, again = str(tmp_path / "run"), str(tmp_path / "carry"), str(tmp_path / "next")
+  _stage(os.path.join(root, "val_before"), result={"val": {"success": 0.5}})
+  _rl(root, "done", [0.5, 0.6], [0.0, 0.0])
+  _rl(root, "running", [0.5], [0.0], complete=False)
+  for cand, steps in (("done", (1, 2)), ("running", (0, 1))):
+    for st in steps:
+      ck = os.path.join(root, cand, "rl", "checkpoints", str(st))
+      os.makedirs(ck)
+      open(os.path.join(ck, "state"), "w").write(f"{cand}{st}")
+  open(os.path.join(root, "running", "rl", "trees.jsonl"), "w").write("big")
+  m = rr.carry_out("warm", root, dest, fingerprint=lambda d: "aaa")
+  # The unfinished candidate's newest checkpoint only; the finished one needs none.
+  assert "running/rl/checkpoints/1/" in m["files"]
+  assert not any("checkpoints/0" in f or "done/rl/checkpoints" in f for f in m["files"])
+  assert "running/rl/metrics.jsonl" in m["files"] and "val_before/stage.json" in m["files"]
+  assert not os.path.exists(os.path.join(dest, "running", "rl", "trees.jsonl"))
+  with pytest.raises(app.UsageError, match=r"weights aaa.*this one's are bbb"):
+    rr.carry_in(dest, "warm", again, fingerprint=lambda d: "bbb")
+  assert rr.carry_in(dest, "warm", again, fingerprint=lambda d: "aaa")["restored"] == len(
+      m["files"])
+  assert open(os.path.join(again, "running", "rl", "checkpoints", "1", "state")).read() == (
+      "running1")
+  assert rec.val_pick(os.path.join(again, "done", "rl"))[0] == 2
