@@ -633,6 +633,11 @@ def _comparison_notes(name: str, result: dict) -> list[str]:
         "baseline: the lambda-0 pair differs only in dropping equal groups (and so in skipping "
         "the steps where every group was equal).")
     notes.append(
+        "In every arm, the paper's too, a step whose trained nodes all have A = 0 applies no "
+        "optimizer update (the trainer's rule since 70090fd, not an option): "
+        "steps_without_update counts them; the paper's arms keep equal groups, so they have "
+        "fewer such steps.")
+    notes.append(
         "'control' (lr = 0) is the warm start itself, sampled at every step and evaluated "
         "greedy at the end; its credit assignment moves nothing. 'vs_reference' pairs every "
         "arm with it: whether RL moved held-out success at all.")
@@ -642,6 +647,14 @@ def _comparison_notes(name: str, result: dict) -> list[str]:
           "drift/at_depth_limit is 0 in every arm by construction: the deep task's depth limit "
           "(agent.max_depth 8) lies above what its step budget lets a tree reach (depth 4); "
           "over-delegation shows here in delegating, helpers per agent and pass-through share.")
+    scope = [a.get("drift/helpers_outside_root", {}).get("mean")
+             for a in result["arms"].values()]
+    if scope and all(x == 0 for x in scope):
+      notes.append(
+          "drift/helpers_outside_root and _parent are 0 in every arm: the deep task's one-token "
+          "cells build a helper's goal from its parent's own items (a half, or the whole goal), "
+          "so a helper outside its root's or parent's task cannot occur here; the metrics are "
+          "live where agents write goals (TextCraft).")
   notes.append(
       "Intervals: held-out success, a two-level percentile bootstrap over seeds and the 32 "
       "held-out tasks (10,000 replicates, inside [0, 1]); per-seed figures, a percentile "
@@ -658,14 +671,15 @@ def _comparison_line(out: dict) -> dict:
   keys = ("train_success", "delegating", "steps_without_update") + tuple(
       f"drift/{k}" for k in DRIFT)
   return {"benchmark": out["benchmark"], "comparison": out["comparison"], "task": out["task"],
-          "cpu": out["cpu"], "seeds": out["seeds"], "steps": out["steps"],
+          "cpu": out["cpu"], "seeds": out["seeds"], "steps": out["steps"], "note": out["note"],
           "arms": {v: {"held_out": a["held_out"]["mean"], "held_out_ci95": a["held_out"]["ci95"]}
                    | {k: a[k]["mean"] for k in keys if k in a}
                    for v, a in out["arms"].items()},
           "paired": {label: {k: {"delta": p[k]["delta"], "ci95": p[k]["ci95"],
                                  "p": p[k]["p_sign_flip"]}
-                             for k in ("held_out", "train_success", "drift/groups_all_equal",
-                                       "drift/helpers_outside_root", "delegating")
+                             for k in ("held_out", "train_success", "delegating",
+                                       "steps_without_update", "drift/groups_all_equal",
+                                       "drift/helpers_outside_root")
                              if k in p}
                      for label, p in out["paired"].items()},
           "vs_reference": {pair: {k: {"delta": p[k]["delta"], "ci95": p[k]["ci95"],
@@ -700,9 +714,9 @@ def _plot_comparison(out: dict, path: str) -> None:
   axes[0].barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
   axes[0].set_xlim(0, 1)
   axes[0].set_title("held-out success (95% bootstrap, seeds x tasks)")
-  for ax, title in zip(axes[1:], ("root success (train, sampled)",
-                                  "groups with equal root rewards")):
-    ax.set_title(title + " (5-step mean over seeds)")
+  for ax, title in zip(axes[1:], ("root success (train)",
+                                  "equal-reward groups")):
+    ax.set_title(title + " (5-step mean, seeds pooled)")
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
   axes[1].legend(fontsize=7)

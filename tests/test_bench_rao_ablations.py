@@ -81,11 +81,12 @@ def test_comparison_pairs_seeds_and_held_out_tasks():
   assert out["paired"]["lambda 0.5"]["drift/groups_all_equal"]["delta"] == 0.25
   tie = out["paired"]["lambda 0"]["held_out"]
   assert tie["delta"] == 0.0 and not tie["significant"] and tie["p_sign_flip"] == 1.0
-  out |= {"benchmark": "rao_ablations", "cpu": "test", "seeds": 3, "steps": 30,
+  out |= {"benchmark": "rao_ablations", "cpu": "test", "seeds": 3, "steps": 30, "note": "",
           "minutes_total": 0.0}
   notes = bench._comparison_notes("baseline_scale", out)
   assert any("same baseline" in n for n in notes)
   assert any("at_depth_limit is 0 in every arm" in n for n in notes)
+  assert any("outside_root and _parent are 0 in every arm" in n for n in notes)
   assert out["vs_reference"]["rao - control"]["held_out"]["delta"] == 0.25
   assert out["vs_reference"]["default - control"]["held_out"]["delta"] == 0.5
   line = bench._comparison_line(out)
