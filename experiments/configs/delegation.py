@@ -80,41 +80,64 @@ def setup(workdir: str, arg: str | None = None, **warm_start):
   return c
 
 
-# What "RAO teaches delegation" means for a run against its lr=0 control (same seeds, hence the
-# same tasks at every step): over the last END steps against the first START, the trained
-# run's success and delegating share must each rise MARGIN more than the control's, and lead
-# the control's by MARGIN at the end. The start window is short because delegation moves
-# within a few steps.
-# MARGIN: full RAO gained 0.35 / 0.26 / 0.19 in success over the control on seeds 0-2 (leads
-# 0.28 / 0.28 / 0.23), root-only and sign-flipped runs -0.15 to -0.02 (the ablation run at
-# commit 1140779, before the sampler fix); a run's sampling noise on a 10-step mean is about
-# 0.05. The current two-digit runs' passes per variant: benchmarks/results/rao_ablations.json,
-# tasks.two_digit.variants.<name>.test_passes.
-START, END, MARGIN = 5, 10, 0.15
+# What "RAO teaches delegation" means for a run against its lr=0 control. Both runs start from
+# the same weights and draw the same tasks at every step (`train_tasks_for_step(seed, step)`),
+# so their difference at a step has that step's task mix removed, and before the trained run's
+# first update it is zero in expectation. The verdict: over the last END steps, the trained
+# run's success and delegating share must each exceed the control's by MARGIN. That is the
+# rise the training caused; the control's own drift is sampling noise around a fixed policy.
+#
+# Why not "the trained run's rise from its first START steps minus the control's rise" (the
+# verdict until 2026-12-07, START = 5): it estimates the runs' start difference, which is known
+# to be zero, from steps 0..START-1, but the trained run's rollouts come from updated weights
+# from step 1 on, so a run that learns within START steps has its learning subtracted; and the
+# control's noise in the start window (60 roots) enters undamped, while a trained share at its
+# ceiling of 1 no longer moves with it. A run at f703884 (seed 0) failed that way while it
+# clearly learned: delegating share 0.75, 0.50, 0.50, 0.92, 0.67 in steps 0-4 and 0.98 over the
+# last 10 against the control's 0.43 (first 5) and 0.69 (last 10); the control's policy is the
+# warm start, whose exact delegation probability on those steps' tasks is 0.58 and 0.59
+# (Probe.measure per task), so its rise of +0.26 was noise, and the old statistic read
+# 0.31 - 0.26 = +0.05 for a lead of +0.28. Here the start difference is its known value, 0.
+# Precondition: both runs from the same warm-start folder and seed (as the test runs them).
+# MARGIN: for a run that does not learn, the end-window difference is two 120-root means of
+# one policy: sd at most 0.064 for a delegating share near 0.58 and 0.042 for success near
+# 0.12 (independent draws; the runs share some sampling seeds, which only shrinks it), so 0.15
+# is 2.3 and 3.6 sd and both must hold. Learning runs led by 0.28 / 0.28 / 0.23 in success
+# (seeds 0-2, ablation run at commit 1140779) and, on 2026-12-07 (seed 0), by 0.41-0.59 in
+# success and 0.29-0.43 in delegating share (the default credit at f703884 and at 229dbf7, the
+# paper's 'loo' with equal groups kept at 229dbf7, the default before the prompt and credit
+# changes at 6003a3c); runs that do not learn trail or tie (lr=0 against another lr=0 run:
+# +0.08 / +0.06; the advantage sign flipped: -0.12 / -0.51). tests/test_learns_to_delegate.py
+# checks the verdict on recorded curves of these.
+END, MARGIN = 10, 0.15
 
 
 def learning_verdict(trained: dict, control: dict) -> dict:
-  """Figures and pass/fail of a trained run against its control.
+  """Figures and pass/fail of a trained run against its lr=0 control (same warm start, seed).
 
   Args:
     trained, control: {"success": per-step train success, "delegating": per-step share of
-      trees whose root delegated}.
+      trees whose root delegated}, one entry per step of the same steps.
 
   Returns:
-    {"<metric>_gain", "<metric>_lead" for success and delegating, "passes", "report"}.
+    {"<metric>_lead" (trained minus control over the last END steps: the verdict's figure)
+    and "<metric>_step0" (their difference at step 0, before any update: sampling noise
+    around 0) for success and delegating, "passes", "report"}.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   out, lines = {}, []
   ok = True
   for key in ("success", "delegating"):
     t, c = np.asarray(trained[key], float), np.asarray(control[key], float)
-    rise = t[-END:].mean() - t[:START].mean()
-    c_rise = c[-END:].mean() - c[:START].mean()
-    lead = t[-END:].mean() - c[-END:].mean()
-    out[f"{key}_gain"], out[f"{key}_lead"] = float(rise - c_rise), float(lead)
-    ok = ok and rise - c_rise >= MARGIN and lead >= MARGIN
+    if t.shape != c.shape or len(t) < END:
+      raise ValueError(f"learning_verdict: {key} curves of {len(t)} and {len(c)} steps; both "
+                       f"need the same steps, at least END={END}.")
+    lead = float(t[-END:].mean() - c[-END:].mean())
+    out[f"{key}_lead"], out[f"{key}_step0"] = lead, float(t[0] - c[0])
+    ok = ok and lead >= MARGIN
     lines.append(f"{key}: trained {np.round(t, 2).tolist()}\n  control {np.round(c, 2).tolist()}\n"
-                 f"  gain over control {rise - c_rise:+.3f}, lead at the end {lead:+.3f}")
+                 f"  lead over the last {END} steps {lead:+.3f} (needs {MARGIN:+.2f}); "
+                 f"at step 0 {t[0] - c[0]:+.3f}")
   out["passes"] = bool(ok)
   out["report"] = "\n".join(lines)
   return out
