@@ -26,7 +26,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
-_WORKDIR = flags.DEFINE_string("workdir", "demo_out", "Where every output of the demo goes.")
+
+def _define_flags() -> None:
+  """The demo's flag, defined when it runs as a program only: importing the module (its tests
+  read its summary functions) must not claim `--workdir`, which the experiments' own modules
+  define in the same test process."""
+  flags.DEFINE_string("workdir", "demo_out", "Where every output of the demo goes.")
 
 CONFIG = "recursive,demo"
 DONE_FILE = "demo_summary.json"   # written last: its presence means the demo finished
@@ -65,7 +70,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from experiments.configs import textcraft_synth  # pylint: disable=g-import-not-at-top
   from rao_jax import evaluation, sft, trainer  # pylint: disable=g-import-not-at-top
-  root = os.path.abspath(_WORKDIR.value)
+  root = os.path.abspath(flags.FLAGS.workdir)
   prepare_workdir(root)
   t0 = time.time()
 
@@ -225,4 +230,5 @@ def prepare_workdir(root: str) -> None:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
