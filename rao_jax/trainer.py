@@ -339,6 +339,7 @@ class Trainer:
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)
     out.update(metrics_lib.tree_stats(all_trees))
+    out.update(metrics_lib.drift_stats(all_trees, int(c.agent.max_depth)))
     d = os.path.join(self.workdir, "eval", f"step_{step:06d}")
     os.makedirs(d, exist_ok=True)
     R.save_trees_jsonl(os.path.join(d, "trees.jsonl"), all_trees)

@@ -57,9 +57,12 @@ def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):
   row = [r for r in rows if "train/success" in r][-1]
   for key in ("train/reward", "train/learner/loss", "train/rollout/tokens_per_s",
               "train/time/rollout_s", "train/time/learner_s", "train/tree_depth",
-              "train/rl/source_frac/verifier", "train/rl/reward/depth_0"):
+              "train/rl/source_frac/verifier", "train/rl/reward/depth_0",
+              "train/drift/at_depth_limit", "train/drift/update_applied",
+              "train/drift/groups_all_equal", "train/rl/signal"):
     assert key in row, (key, sorted(row))
   assert any("eval/success_easy" in r for r in rows)
+  assert any("eval/drift/at_depth_limit" in r for r in rows)
   assert os.path.exists(os.path.join(wd, "plot.png"))
   assert os.path.exists(os.path.join(wd, "eval", "step_000002", "trees.html"))
   assert os.listdir(os.path.join(wd, "tensorboard"))
