@@ -179,3 +179,21 @@ def test_digit_envs_scope_is_a_contiguous_run(env_cls):
     ep = env.new_episode(task)   # deep delegation counts helpers per agent
     spec = env.child_spec(ep, parent, (goal,), {})
     assert env.subtask_scope(ep, parent, spec) == want, (parent.node_id, goal)
+
+
+def test_the_warm_starts_probe_stops_only_on_a_greedy_copying_model(runtime):
+  # A build that learnt one digit well and sends the others to a wrong cell reaches a mean
+  # p(right) of 0.43 with the right answer the greedy one on half the one-item nodes: held-out
+  # greedy success 0.25. The deep task's probe must not stop there.
+  from experiments import micro_policy
+  from rao_jax.envs import delegation
+  _, env, _, _ = runtime
+  target = micro_policy.default_target(env)
+  probe = object.__new__(micro_policy.Probe)
+  probe.target = target
+  assert not probe.done({"delegate": 0.5, "child_right": 0.43, "child_greedy": 0.51,
+                         "success": 0.1})
+  assert probe.done({"delegate": 0.5, "child_right": 0.48, "child_greedy": 0.996,
+                     "success": 0.1})
+  # The two-part task keeps its rule (its learning test was measured with it).
+  assert micro_policy.default_target(delegation.DelegationEnv()) == {"child_right": 0.4}
