@@ -434,6 +434,10 @@ class RLConfig:
     rollout_deadline_s: seconds per step's rollouts before trees are cut; 0 = no deadline.
     deadline_rule: cut trees are scored as they stand ("unfinished") or drop their group
       ("drop_group").
+    update_without_signal: False (default): a step whose batch has no node with w_d * A != 0
+      applies no optimizer update (Adam would move every weight by about lr on any gradient);
+      True: it still steps when nodes are packed (a KL term alone; tests that exercise the
+      learner on a policy too weak to succeed).
     task_weights: "" (uniform) or "FIELD:VALUE=WEIGHT,...": train tasks some rule matches are
       drawn WEIGHT times as often (`parse_task_weights`), e.g. to weight a task mix towards
       the tasks the policy still fails.
@@ -449,6 +453,7 @@ class RLConfig:
   rollout_deadline_s: float = 0.0
   deadline_rule: str = "unfinished"
   task_weights: str = ""
+  update_without_signal: bool = False
 
   def __post_init__(self):
     def key(name):
@@ -502,7 +507,8 @@ def rl_config(config) -> RLConfig:
       tasks_per_step=rl.tasks_per_step, loss=rl.loss, overlap=rl.overlap,
       max_staleness=rl.max_staleness, max_nonfinite_steps=rl.max_nonfinite_steps,
       infra_retries=rl.infra_retries, rollout_deadline_s=rl.rollout_deadline_s,
-      deadline_rule=rl.deadline_rule, task_weights=rl.get("task_weights", ""))
+      deadline_rule=rl.deadline_rule, task_weights=rl.get("task_weights", ""),
+      update_without_signal=bool(rl.get("update_without_signal", False)))
 
 
 def engine_config(config):

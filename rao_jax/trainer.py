@@ -444,9 +444,10 @@ class Trainer:
     if self.rl.overlap and step + 1 < self.rl.total_steps:
       state.next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
     t_learn = time.perf_counter()
-    if batch is not None and adv.has_signal and batch.stats.get("nodes_packed", 0) > 0:
+    if batch is not None and batch.stats.get("nodes_packed", 0) > 0 and (
+        adv.has_signal or self.rl.update_without_signal):
       lmetrics = await asyncio.to_thread(state.guard.step, self.learner, batch, step)
-      lmetrics["no_signal"] = 0.0
+      lmetrics["no_signal"] = float(not adv.has_signal)
     else:
       # No node carries w_d * A != 0 (every group's roots got equal rewards, or every group
       # was dropped). Adam normalises each coordinate, so even a near-zero gradient (a KL term

@@ -227,3 +227,17 @@ def test_divergence_hook_stops_after_the_metrics_are_written(tmp_path):
   # Step 1: metrics; step 2: metrics, then the stop (before step 2's checkpoint hook).
   assert written == [(1, "train/"), (2, "train/")] and state.step == 2
   assert state.guard.total == 2 and isinstance(state.fault_totals, collections.Counter)
+
+
+def test_update_without_signal_steps_anyway_when_asked(tmp_path):
+  t = _trainer(tmp_path)
+  t.rl = X.RLConfig(total_steps=3, group_size=2, update_without_signal=True)
+  trees = _alike_group("a", 0.0, 0.0)
+
+  async def alike(runner, step):
+    return trees, X.RolloutStats(1.0, 10), trees, {}
+  t.collect = alike
+  t.learner.prepare = lambda tr: (types.SimpleNamespace(trees=tr, stats={"nodes_packed": 3}),
+                                  compute_rewards_and_advantages(tr, drop_equal_groups=False))
+  m = asyncio.run(t.rl_step(None, _state(t)))
+  assert len(t.learner.steps) == 1 and m["learner/no_signal"] == 1.0

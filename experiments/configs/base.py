@@ -87,6 +87,7 @@ def base_config() -> config_dict.ConfigDict:
   # every successful leaf of an all-success group -lam) | "group_mean": mean of all K roots' R
   c.rl.baseline = "loo_success"
   c.rl.drop_equal_groups = True      # groups whose roots got equal rewards contribute nothing
+  c.rl.update_without_signal = False # True: step even when no node has an advantage (KL alone)
   c.rl.node_rewards = "dense"        # "dense": s(v) per node | "root": s(root) for every node
   c.rl.pass_through_gate = False     # True: R = 0 for a node that only forwards its own goal
   c.rl.child_keep_prob = 1.0         # children kept in the learner batch (roots always)
