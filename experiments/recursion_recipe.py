@@ -40,6 +40,8 @@ _CARRY_OUT = flags.DEFINE_string(
 _CARRY_IN = flags.DEFINE_string(
     "carry_in", None, "Restore a --carry_out folder into --workdir first; refused unless the "
     "warm start (--warm, rebuilt by the same command) has the same weights fingerprint.")
+_NOTES = flags.DEFINE_multi_string("notes", [], "Notes carried into --out (what the figures "
+                                    "do and do not show).")
 _ONLY = flags.DEFINE_list("only", [], "Train only these candidates now (the others are read "
                           "from disk when complete).")
 # --report_only, --workdir, --out and --scale are learning_evidence's flags.
@@ -143,7 +145,7 @@ def main(argv):
       s = dict(s0, **recipe)
       le._Stages(os.path.join(root, name)).run(  # pylint: disable=protected-access
           "rl", le.rl_stage(rec.rl_config_for("recursive", s), sft_dir))
-  out = write(root, s0, cands, os.path.abspath(flags.FLAGS.out))
+  out = write(root, s0, cands, os.path.abspath(flags.FLAGS.out), _NOTES.value)
   print(json.dumps({k: out[k] for k in ("val_before", "chosen")} | {
       "scores": {n: c["score"] for n, c in out["candidates"].items()}}))
 
@@ -205,7 +207,7 @@ def carry_in(src: str, sft_dir: str, root: str, fingerprint=None) -> dict:
   return {"restored": len(manifest["files"]), "warm_sha256": mine}
 
 
-def write(root: str, s0: dict, cands: dict[str, dict], out: str) -> dict:
+def write(root: str, s0: dict, cands: dict[str, dict], out: str, notes=()) -> dict:
   """The recipe JSON from the stages on disk (incomplete candidates are listed as such)."""
   def marker(path):
     try:
@@ -229,6 +231,7 @@ def write(root: str, s0: dict, cands: dict[str, dict], out: str) -> dict:
     cand["score"] = score(cand)
     result["candidates"][name] = cand
   result["chosen"] = choose(result["candidates"])
+  result["notes"] = list(notes)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out + ".tmp", "w") as f:
     json.dump(result, f, indent=1)
