@@ -184,6 +184,7 @@ def config_for(mode: str, s: dict):
   c.agent.max_live_agents = s["max_live_agents"]
   c.agent.max_new_tokens = s["max_new_tokens"]   # the budget program's cell is ~395 tokens
   c.env.val_tasks = s.get("val_tasks", 0)
+  c.env.val_difficulty = s.get("val_difficulty", "")
   # RL rollouts sample at this temperature (the learner's log-probs use the same). It was set
   # below 1.0 while a sampler defect (since fixed: the Gumbel noise could be +inf) drew about
   # one token in 340 at random, which broke every sampled ~390-token cell at any temperature

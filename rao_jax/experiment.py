@@ -77,17 +77,28 @@ def task_split(env: env_base.Environment, split: str, difficulty: str | None) ->
 
 def train_and_val_tasks(env: env_base.Environment, config
                         ) -> tuple[list[env_base.Task], list[env_base.Task]]:
-  """The train split of `config.env.train_difficulty`, cut in two: the tasks RL and the
-  supervised demonstrations draw from, and the validation split (`config.env.val_tasks`, the
-  last N train tasks) that a recipe or a checkpoint is chosen on, so that the held-out test
-  tasks are never consulted. With val_tasks = 0 the validation split is empty."""
+  """The tasks RL and the supervised demonstrations draw from, and the validation split a
+  recipe or a checkpoint is chosen on, so that the held-out test tasks are never consulted.
+
+  `config.env.val_tasks` = N (0: no validation split) takes the last N train tasks of
+  `config.env.val_difficulty` (default: the train difficulty). Of the train difficulty, they
+  leave the RL and demonstration pool; of another difficulty (e.g. hard train tasks, where a
+  policy trained on medium shows whether it transfers) the pool keeps every task.
+  """
   tasks = task_split(env, "train", config.env.train_difficulty)
   n_val = int(config.env.get("val_tasks", 0))
-  if not 0 <= n_val < len(tasks):
-    raise ValueError(f"config.env.val_tasks={n_val}: must be in [0, {len(tasks)}) (the train "
-                     f"split of {config.env.train_difficulty!r} has {len(tasks)} tasks and "
-                     "RL needs some of them).")
-  return tasks[:len(tasks) - n_val], tasks[len(tasks) - n_val:]
+  val_diff = str(config.env.get("val_difficulty", "") or config.env.train_difficulty)
+  pool = tasks if val_diff == config.env.train_difficulty else task_split(env, "train", val_diff)
+  # Of the train difficulty, RL needs at least one task left.
+  most = len(pool) - (val_diff == config.env.train_difficulty)
+  if not 0 <= n_val <= most:
+    raise ValueError(f"config.env.val_tasks={n_val}: must be in [0, {most}] (the train split "
+                     f"of {val_diff!r} has {len(pool)} tasks"
+                     + (" and RL needs some of them)." if most < len(pool) else ")."))
+  val = pool[len(pool) - n_val:] if n_val else []
+  if val_diff != config.env.train_difficulty:
+    return tasks, val
+  return tasks[:len(tasks) - n_val], val
 
 
 def evaluation_sets(env: env_base.Environment, config) -> list[tuple[str, list[env_base.Task]]]:

@@ -46,5 +46,20 @@ def test_evaluation_sets_follow_eval_split():
   with pytest.raises(ValueError, match="val_tasks > 0"):
     X.evaluation_sets(env, c)
   c.env.val_tasks = 40
-  with pytest.raises(ValueError, match=r"val_tasks=40.*\[0, 40\)"):
+  with pytest.raises(ValueError, match=r"val_tasks=40.*\[0, 39\].*RL needs"):
+    X.train_and_val_tasks(env, c)
+
+
+def test_val_split_of_another_difficulty_keeps_the_whole_train_pool():
+  c = _config(val=6)
+  c.env.val_difficulty = "hard"
+  env = X.make_env(c)
+  train, val = X.train_and_val_tasks(env, c)
+  assert [t.task_id for t in train] == [
+      t.task_id for t in X.task_split(env, "train", c.env.train_difficulty)]
+  hard = X.task_split(env, "train", "hard")
+  assert [t.task_id for t in val] == [t.task_id for t in hard[-6:]]
+  assert {t.difficulty for t in val} == {"hard"}
+  c.env.val_tasks = 41
+  with pytest.raises(ValueError, match=r"val_tasks=41.*\[0, 40\].*'hard' has 40"):
     X.train_and_val_tasks(env, c)

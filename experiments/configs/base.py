@@ -51,6 +51,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env.train_seed = 1               # task generator seed for training tasks
   c.env.val_tasks = 0                # the last N train tasks: a validation split that RL and
                                      # demonstrations never draw (what a recipe is chosen on)
+  c.env.val_difficulty = ""          # the validation tasks' difficulty ("": train_difficulty)
   c.env.eval_seed = 2                # sampling seed of held-out evaluation (when
                                      # agent.eval_temperature > 0); held-out tasks are the
                                      # environment's fixed test split
