@@ -445,7 +445,7 @@ class Trainer:
       state.next_batch = asyncio.ensure_future(self.collect(runner, step + 1))
     t_learn = time.perf_counter()
     if batch is not None and batch.stats.get("nodes_packed", 0) > 0 and (
-        adv.has_signal or self.rl.update_without_signal):
+        adv.has_signal or (self.rl.update_without_signal and adv.num_train_nodes > 0)):
       lmetrics = await asyncio.to_thread(state.guard.step, self.learner, batch, step)
       lmetrics["no_signal"] = float(not adv.has_signal)
     else:

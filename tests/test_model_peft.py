@@ -24,7 +24,10 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-ATOL = 1e-4          # float32 logits, ours vs torch
+# float32 logits, ours vs torch: their sums over the model width round differently (up to
+# 1.5e-4 on an AMD EPYC with torch 2.13), 100x below MIN_EFFECT, the least an adapter applied
+# wrongly would move them.
+ATOL = 2e-4
 MIN_EFFECT = 2e-2    # the adapter must move the logits this much for the comparison to mean much
 # Three architectures: GQA with a tied head (Llama), q/k/v biases and an untied head (Qwen2),
 # QK-norm after the adapted q/k projections (Qwen3).

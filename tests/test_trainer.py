@@ -31,6 +31,7 @@ def _config(model_dir, total_steps=2):
   c.rollout.num_slots = 4
   c.rl.kl_coef = 0.01          # keeps every node in the batch, and the step runs at s = 0:
   c.rl.update_without_signal = True   # the tiny random policy never succeeds (no signal)
+  c.rl.drop_equal_groups = False   # (its groups are all equal: keep them)
   c.learner.row_len = 1024
   # Rows sharded over two of the suite's eight fake CPU devices: "auto" (all eight) pads every
   # micro-batch to 8 rows, which on 2 cores made each learner step ~35 s instead of ~5.
@@ -94,6 +95,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_hf_dir, tm
          "--config.agent.context_window=1024", "--config.rollout.max_cache_len=1024",
          "--config.learner.row_len=1024", "--config.learner.mesh=data=2",
          "--config.rl.kl_coef=0.01", "--config.rl.update_without_signal=True",
+         "--config.rl.drop_equal_groups=False",
          "--config.ckpt.every=1000", "--config.eval.every=1000", "--config.log.progress=False"]
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)

@@ -174,6 +174,7 @@ def test_all_servers_gone_stops_with_a_checkpoint_and_the_run_resumes(server, ti
          "--config.learner.row_len=1024", "--config.learner.mesh=data=2",
          "--config.rl.tasks_per_step=1", "--config.rl.kl_coef=0.01",
          "--config.rl.update_without_signal=True",
+         "--config.rl.drop_equal_groups=False",
          "--config.rollout.engine=sglang", f"--config.rollout.urls=('{server.url}',)",
          "--config.rollout.retry_timeout=1", "--config.warmup=False",
          "--config.eval.every=0", "--config.log.progress=False"]

@@ -40,6 +40,7 @@ def config(model_dir, total_steps):
   c.rl.group_size = 2
   c.rl.kl_coef = 0.01              # keeps every node (the scripted trees of a group are equal)
   c.rl.update_without_signal = True  # and steps on them although no node has an advantage
+  c.rl.drop_equal_groups = False   # (its groups are all equal: keep them)
   c.learner.micro_batch_rows = 4   # whole rows per device of the 4-device mesh
   c.learner.bucket_rows = (8,)     # one compilation
   c.optim.lr = 1e-3

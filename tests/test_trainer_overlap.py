@@ -39,8 +39,9 @@ def _ptrs(tree):
 
 
 def test_engine_survives_learner_steps_that_donate_its_source():
+  # Synthetic groups may have equal root rewards: kept, so that every step has nodes to train.
   learner = Learner(LearnerConfig(row_len=64, micro_batch_rows=1, bucket_rows=(1, 2, 4, 8, 16),
-                                  lr=1e-2), CFG)
+                                  lr=1e-2, drop_equal_groups=False), CFG)
   engine = EmbeddedEngine(learner.model, num_slots=4, max_len=64)
   try:
     # The engine's arrays share no buffer with the learner's state...
@@ -115,6 +116,7 @@ def _config(model_dir, total_steps):
   c.rollout.num_slots = 4
   c.rl.kl_coef = 0.01          # keeps every node in the batch, and every step runs the learner
   c.rl.update_without_signal = True   # although the tiny policy's groups carry no signal
+  c.rl.drop_equal_groups = False   # (its groups are all equal: keep them)
   c.rl.loss = "ppo_clip"
   c.rl.overlap = True
   c.learner.row_len = 1024
