@@ -18,7 +18,6 @@ SmolLM2 is `experiments/recursion_evidence.py` (docs/results/recursion.md).
   python -m experiments.demo [--workdir=demo_out]
 """
 import json
-import math
 import os
 import time
 
@@ -162,16 +161,11 @@ def _minutes_since(t: float) -> float:
   return round((time.time() - t) / 60, 1)
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+def wilson(k: int, n: int) -> tuple[float, float]:
   """Wilson score 95% interval of k successes in n; unlike the normal approximation (which
   gives [-0.48, 1.48] on two tasks) it stays inside [0, 1]."""
-  if n <= 0:
-    return (0.0, 1.0)
-  p = k / n
-  den = 1 + z * z / n
-  mid = (p + z * z / (2 * n)) / den
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-  return (max(0.0, mid - half), min(1.0, mid + half))
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  return X.wilson_ci95(k, n) if n > 0 else (0.0, 1.0)
 
 
 def print_summary(mic: dict, smol: dict, outputs: dict, sft_res: dict | None = None) -> None:

@@ -54,7 +54,6 @@ complete (a rerun skips complete stages and resumes the unfinished one):
 import asyncio
 import collections
 import json
-import math
 import os
 import time
 
@@ -252,12 +251,8 @@ def tokenizer_for(name: str):
 
 def wilson95(k: int, n: int) -> list[float]:
   """Wilson 95% interval of k successes in n (the normal one collapses at 0 and 1)."""
-  if n == 0:
-    return [0.0, 0.0]
-  z, p = 1.96, k / n
-  mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-  return [max(0.0, mid - half), min(1.0, mid + half)]
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  return list(X.wilson_ci95(k, n)) if n else [0.0, 0.0]
 
 
 def rate(values) -> dict:

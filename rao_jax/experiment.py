@@ -650,11 +650,16 @@ def binomial_ci95(successes: Sequence[float]) -> tuple[float, float]:
   if x.size == 0:
     return (0.0, 0.0)
   if np.all((x == 0.0) | (x == 1.0)):
-    n, p, z = x.size, float(x.mean()), 1.96
-    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, float(mid - half)), min(1.0, float(mid + half)))
+    return wilson_ci95(int(x.sum()), x.size)
   return mean_ci95(x, (0.0, 1.0))
+
+
+def wilson_ci95(k: int, n: int) -> tuple[float, float]:
+  """Wilson's score 95% interval of k successes in n (n > 0), inside [0, 1]."""
+  z, p = 1.96, k / n
+  mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+  return (max(0.0, mid - half), min(1.0, mid + half))
 
 
 def mean_ci95(values: Sequence[float], bounds: tuple[float, float] = (-np.inf, np.inf)
