@@ -304,7 +304,8 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...] | None = None) -
 
 # The per-step signs of a policy drifting away from its task (`drift_stats` and the trainer).
 DRIFT_KEYS = ("drift/at_depth_limit", "drift/helpers_outside_root",
-              "drift/helpers_outside_parent", "drift/groups_all_equal", "drift/update_applied")
+              "drift/helpers_outside_parent", "drift/task_retyped", "drift/groups_all_equal",
+              "drift/update_applied")
 
 
 def drift_stats(trees, max_depth: int) -> dict[str, float]:
@@ -323,6 +324,10 @@ def drift_stats(trees, max_depth: int) -> dict[str, float]:
       (TextCraft: items outside the recipe closure, or a target at a higher count): a goal
       retyped with invented or repeated items. Absent when no helper was checked (an
       environment that cannot tell), 0 when there was no helper.
+    `drift/task_retyped`: of the nodes given their task as REPL variables
+      (`NodeRecord.extras["task_vars"]`), the share whose code rebinds or mutates one of them
+      (`code_rewrites`): a node working from its own copy of its task. Absent when no node had
+      one.
     The trainer adds `drift/groups_all_equal` (groups whose roots got equal rewards, which carry
     no signal) and `drift/update_applied`.
   """
@@ -337,7 +342,58 @@ def drift_stats(trees, max_depth: int) -> dict[str, float]:
     for key in ("outside_root", "outside_parent"):
       out[f"drift/helpers_{key}"] = (sum(bool(sc.get(key)) for sc in scopes) / len(scopes)
                                      if scopes else 0.0)
+  given = [n for n in nodes if n.extras.get("task_vars")]
+  if given:
+    out["drift/task_retyped"] = sum(
+        any(code_rewrites(t.get("code"), n.extras["task_vars"]) for t in n.extras.get("turns", []))
+        for n in given) / len(given)
   return out
+
+
+# Methods that change a dict or list in place: calling one on a task variable rewrites it.
+_MUTATING = frozenset({"update", "pop", "popitem", "clear", "setdefault", "append", "extend",
+                       "insert", "remove", "sort", "reverse", "__setitem__", "__delitem__"})
+
+
+def code_rewrites(code, names) -> bool:
+  """Whether a cell's code rebinds or mutates any of `names`: `targets = {...}`,
+  `targets["x"] = 2`, `targets |= {...}`, `del targets["x"]`, `targets.update(...)`, a `for`,
+  `with` or walrus target of that name. Reading the variable (`targets.items()`,
+  `dict(targets)`) is not. Code that does not parse (the REPL rejected it too) is not."""
+  import ast  # pylint: disable=g-import-not-at-top
+  if not isinstance(code, str) or not code.strip():
+    return False
+  try:
+    tree = ast.parse(code)
+  except (SyntaxError, ValueError):
+    return False
+  names = set(names)
+
+  def root_name(node):
+    while isinstance(node, (ast.Subscript, ast.Attribute, ast.Starred)):
+      node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Assign, ast.Delete)):
+      targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
+      targets = [node.target]
+    elif isinstance(node, ast.withitem):
+      targets = [node.optional_vars] if node.optional_vars is not None else []
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+      if node.func.attr in _MUTATING and root_name(node.func.value) in names:
+        return True
+      continue
+    else:
+      continue
+    for t in targets:
+      for leaf in ast.walk(t):
+        # A store into the variable or into a part of it (not `x[targets["a"]] = 1`).
+        if (isinstance(getattr(leaf, "ctx", None), (ast.Store, ast.Del))
+            and root_name(leaf) in names):
+          return True
+  return False
 
 
 def tree_stats(trees) -> dict[str, float]:

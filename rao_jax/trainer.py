@@ -550,8 +550,15 @@ class Trainer:
       self.report_save_failures(step)
 
     def postfix(m):
-      return {"reward": f"{m['reward']:.3f}", "success": f"{m['success']:.2f}",
-              "tok_s": f"{m['rollout/tokens_per_s']:.0f}"}
+      # The drift shares beside success: a drifting policy shows here before held-out success.
+      out = {"reward": f"{m['reward']:.3f}", "success": f"{m['success']:.2f}",
+             "updated": "yes" if m.get("drift/update_applied", 1.0) else "no"}
+      for key, short in (("at_depth_limit", "at_limit"), ("helpers_outside_root", "off_task"),
+                         ("task_retyped", "retyped")):
+        if f"drift/{key}" in m:
+          out[short] = f"{m[f'drift/{key}']:.2f}"
+      out["tok_s"] = f"{m['rollout/tokens_per_s']:.0f}"
+      return out
 
     hooks = [hooks_lib.Hook("metrics", 1, write_metrics),
              hooks_lib.Hook("divergence", 1, stop_if_diverged)]

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from rao_jax import metrics
 from rao_jax.agent import chat, local_exec, policies, prompts, records as R, runner as rn
 from rao_jax.envs import base, registry
 from rao_jax.envs import textcraft as tc
@@ -246,3 +247,41 @@ def test_scope_flags_recorded_at_launch_and_rereadable():
         env.book, tc.task_targets(back.root.task_fields),
         tc.task_targets(nodes[k.parent_id].task_fields), tc.task_targets(k.task_fields))
   assert "scope" not in tree.root.extras
+
+
+@pytest.mark.parametrize("code,rewrites", [
+    ("targets = {'a': 1}", True), ("targets['x'] = 2", True), ("targets |= {'b': 1}", True),
+    ("del targets['x']", True), ("targets.update(b=1)", True), ("targets.pop('a')", True),
+    ("for targets in [1]:\n  pass", True), ("if (targets := {}):\n  pass", True),
+    ("a, targets = 1, 2", True), ("async def f():\n  targets = 1", True),
+    ("for item, n in targets.items():\n  await launch_subagent({item: n}, 4)", False),
+    ("x = dict(targets)", False), ("x[targets['a']] = 1", False), ("print(targets)", False),
+    ("targets2 = {}", False), ("def (", False), ("", False), (None, False)])
+def test_code_rewrites_reads_stores_into_the_task_variable(code, rewrites):
+  assert metrics.code_rewrites(code, ("targets",)) is rewrites
+
+
+def test_task_retyped_counts_nodes_that_rewrite_their_targets():
+  # The root retypes its task (with an invented item), its helper reads its own `targets`.
+  env = synth()
+  task = two_target_task(env)
+
+  def fn(text):
+    if "[turns left: " in text:
+      return _code("finish('seen')")
+    if "you are at depth 0" in text:
+      return _code("targets = dict(targets, z9_i4=1)\nitem, n = next(iter(targets.items()))\n"
+                   "print(await launch_subagent({item: n}, 3))")
+    return _code("print(targets)")
+
+  (tree,) = run(env, CodeEngine(fn), [task])
+  assert [n.extras["task_vars"] for n in tree.nodes] == [["targets"], ["targets"]]
+  assert metrics.drift_stats([tree], 3)["drift/task_retyped"] == 0.5
+  # The program policy (the warm start's demonstrations) never rewrites them.
+  eng = policies.ScriptedTextCraftEngine(TOK, policies.ScriptedConfig(style="program"))
+  trees = run(env, eng, [task], max_depth=6, max_steps_per_agent=12)
+  assert metrics.drift_stats(trees, 6)["drift/task_retyped"] == 0.0
+  # Trees of an environment without task variables carry no such share.
+  for n in tree.nodes:
+    del n.extras["task_vars"]
+  assert "drift/task_retyped" not in metrics.drift_stats([tree], 3)

@@ -265,7 +265,11 @@ class TreeRunner:
       rec.gen_mask.extend([0] * len(ids))
       rec.logprobs.extend([0.0] * len(ids))
       repl = await self.repls.acquire()
-      await repl.set_variables({**self.env.node_variables(tree.episode, info), **variables})
+      bound = {**self.env.node_variables(tree.episode, info), **variables}
+      await repl.set_variables(bound)
+      task_vars = [v for v in self.env.task_variables if v in bound]
+      if task_vars:   # what drift_stats checks the node's code against
+        rec.extras["task_vars"] = task_vars
       tools = dict(self.env.node_tools(tree.episode, info))
       tools["finish"] = self._finish_tool(st)
       if cfg.recursive:

@@ -180,6 +180,11 @@ class Environment(abc.ABC):
   """An environment: tasks, tools, episode state, child mapping and verifiers."""
 
   name: str = "env"
+  # The variables of `node_variables` that hold the node's own task (TextCraft: "targets"). A
+  # program that rebinds or mutates one works from its own copy of its task, a drift signal
+  # (`rao_jax.metrics.drift_stats`: `drift/task_retyped`); the runtime records the names it
+  # bound in `NodeRecord.extras["task_vars"]`.
+  task_variables: tuple[str, ...] = ()
 
   # -- tasks ---------------------------------------------------------------------------------
 

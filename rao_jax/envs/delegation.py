@@ -131,6 +131,7 @@ class DelegationEnv(base.Environment):
   """k-part digit tasks; one part fits one agent, so the whole task needs helpers."""
 
   name = "delegation"
+  task_variables = ("parts",)
 
   def __init__(self, **kw):
     self.cfg = DelegationConfig(**kw)

@@ -143,6 +143,7 @@ class DeepDelegationEnv(base.Environment):
   """k-item digit tasks (k in {1, 2, 4, 8}); an agent answers one item or splits in two."""
 
   name = "delegation_deep"
+  task_variables = ("parts", "task")
 
   def __init__(self, **kw):
     self.cfg = DeepDelegationConfig(**kw)

@@ -433,6 +433,7 @@ class TextCraftEnv(base.Environment):
   """
 
   name = "textcraft"
+  task_variables = ("targets",)
 
   def __init__(self, data_dir: str = DATA_DIR, book: RecipeBook | None = None,
                tasks_by_split: Mapping[str, Sequence[base.Task]] | None = None,
