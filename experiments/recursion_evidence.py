@@ -46,6 +46,7 @@ complete (a rerun skips complete stages and resumes the unfinished one):
   # not redone), its figures carried into the first result's `replications`:
   python -m experiments.recursion_evidence --scale=cpu_lora --rl_seed=1 --share_stages_from=runs/recursion --workdir=runs/recursion_rlseed1 --out=benchmarks/results/recursion_evidence_rlseed1.json
   python -m experiments.recursion_evidence --scale=cpu_lora --workdir=runs/recursion --report_only --replications=benchmarks/results/recursion_evidence_rlseed1.json
+  # (--readings= skips the hard and other-world readings: ~25 min of a seed on this CPU.)
   python -m experiments.recursion_evidence --scale=tiny --workdir=/tmp/rec        # a smoke run
   # The paper's TextCraft-Synth hard row (trained on medium, evaluated on hard, 8K window), one
   # command on one H200-class GPU: ~3-4 h for SmolLM2-135M (an unmeasured estimate, at _SCALES):
@@ -94,6 +95,10 @@ _STOP_AFTER = flags.DEFINE_enum(
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
+_READINGS = flags.DEFINE_list(
+    "readings", list(READINGS), "The further held-out readings to take before and after RL "
+    f"(of {', '.join(READINGS)}; empty: none, e.g. for a further RL seed, where the held-out "
+    "medium evaluation is what the seeds are compared on).")
 _RECIPE = flags.DEFINE_string(
     "recipe", "", "RL recipe settings over the scale's, KEY=VALUE,... (RECIPE_FIELDS), e.g. "
     "the recipe experiments.recursion_recipe chose: lr=1e-4,lam=0.")
@@ -564,6 +569,10 @@ def main(argv):
   if _RL_SEED.value is not None:
     s["rl_seed"] = _RL_SEED.value
   s.update(parse_recipe(_RECIPE.value))
+  unknown = sorted(set(_READINGS.value) - set(READINGS))
+  if unknown:
+    raise app.UsageError(f"--readings={','.join(_READINGS.value)}: {unknown} are not readings; "
+                         f"choose among {', '.join(READINGS)} (or none).")
   root = os.path.abspath(_flag("workdir"))
   out = os.path.abspath(_flag("out"))
   if flags.FLAGS["report_only"].value:
@@ -589,9 +598,9 @@ def main(argv):
     return
   for mode in _flag("modes"):
     run_stages(mode, s, root)
-  if "recursive" in _flag("modes"):
-    run_readings(root, "before")
-    run_readings(root, "after")
+  if "recursive" in _flag("modes") and _READINGS.value:
+    run_readings(root, "before", tuple(_READINGS.value))
+    run_readings(root, "after", tuple(_READINGS.value))
   result = write_report(scale, s, root, _flag("modes"), out, _REPLICATIONS.value)
   print(json.dumps({k: result[k] for k in ("modes", "vs_single", "readings", "minutes", "bar")}))
 

@@ -301,3 +301,16 @@ def test_share_stages_links_the_complete_warm_start_stages_only(tmp_path):
   assert linked_sft.is_symlink() and (linked_sft / "stage.json").exists()
   assert not (dst / "recursive" / "demos").is_symlink() and not (dst / "recursive" / "rl").exists()
   assert rev.share_stages(str(src), str(dst), ["recursive", "single"]) == []   # idempotent
+
+
+def test_unknown_reading_is_refused_before_any_stage(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.run([sys.executable, "-m", "experiments.recursion_evidence", "--scale=tiny",
+                      "--readings=hard,harder", f"--workdir={tmp_path}/w",
+                      f"--caps_out={tmp_path}/caps.json"],
+                     cwd=root, capture_output=True, text=True, timeout=300)
+  assert p.returncode != 0
+  assert "['harder'] are not readings; choose among hard, other_world" in p.stderr
+  assert not os.path.exists(tmp_path / "w")      # refused before the first stage
