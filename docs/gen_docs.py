@@ -179,6 +179,36 @@ def gen_recursion_runs(page: str) -> str:
   return "\n".join(out)
 
 
+def gen_recursion_recipe(page: str) -> str:
+  """The recipe candidates on the validation split (train tasks), and the choice."""
+  rec = load_json("recursion_recipe.json")
+  if not rec or not rec.get("candidates"):
+    return ("No recipe candidate has run yet: this table fills from "
+            "`benchmarks/results/recursion_recipe.json`.")
+  n = rec["val_tasks"]
+  v0 = rec.get("val_before")
+  out = [f"The warm start solves {'?' if v0 is None else frac(v0, n)} of the {n} validation "
+         "tasks (step 0 of each curve).", "",
+         "| candidate | recipe | validation success per step | best step | drifting | agents at "
+         "the depth limit (mean) | minutes |", "|---|---|---|---|---|---|---|"]
+  for name, c in rec["candidates"].items():
+    recipe = ", ".join(f"{k}={v}" for k, v in c["recipe"].items())
+    vals = [f"{count(v, n)}/{n}" if v is not None else "-" for v in c["curves"]["val"]]
+    sc = c["score"]
+    if not c["complete"]:
+      total = c["recipe"].get("rl_steps", rec["scale"].get("rl_steps"))
+      state = f"{len(vals)} of {total} steps done" if vals else "not run yet"
+      out.append(f"| {name} | {recipe} | {', '.join(vals) or '-'} | {state} | | | |")
+      continue
+    drift = "yes" if sc["drifting"] else "no"
+    out.append(f"| {name} | {recipe} | {', '.join(vals)} | {sc['best_step']} | {drift} | "
+               f"{sc.get('at_depth_limit_mean', 0.0):.2f} | {c['minutes']:.0f} |")
+  chosen = rec.get("chosen")
+  out += ["", f"Chosen: **{chosen}**." if chosen else "No recipe is chosen yet.",
+          "", f"The rule, fixed before any candidate ran: {rec['rule']}"]
+  return "\n".join(out)
+
+
 def gen_recursion_seeds(page: str) -> str:
   """The five-seed replication's table, or what is missing."""
   seeds = load_json("recursion_seeds.json")
@@ -826,6 +856,7 @@ BLOCKS: dict[str, Callable[[str], str]] = {
     "recursion_headline": gen_recursion_headline,
     "recursion_runs": gen_recursion_runs,
     "recursion_seeds": gen_recursion_seeds,
+    "recursion_recipe": gen_recursion_recipe,
     "recursion_readings": gen_recursion_readings,
     "recursion_setup": gen_recursion_setup,
     "recursion_training": gen_recursion_training,

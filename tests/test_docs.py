@@ -258,3 +258,23 @@ def test_options_are_read_from_the_comment_only_when_the_default_is_one():
   assert gen._options("activation checkpointing: auto (x) | none | dots | full", "auto") == [
       "auto", "none", "dots", "full"]
   assert gen._options("embedded | sglang", "other") == []
+
+
+def test_recipe_table_follows_the_json(tmp_path, monkeypatch):
+  res = _copy_results(tmp_path, monkeypatch)
+  assert "No recipe candidate has run yet" in gen.gen_recursion_recipe("docs/results/recursion.md")
+  rec = json.loads(_read("benchmarks/results/recursion_recipe.json"))
+  curves = {"steps": [1, 2, 3, 4], "val": [1.0, 0.9375, None, 0.875],
+            "at_depth_limit": [0.0, 0.05, 0.1, 0.2], "helpers_outside_root": [0.0] * 4}
+  rec["candidates"]["lam0_lr1e-4"].update(
+      complete=True, minutes=95.0, curves=curves,
+      score={"best_step": 1, "best_val": 1.0, "drifting": False, "at_depth_limit_mean": 0.0875})
+  rec["candidates"]["lam05_lr1e-4"]["curves"] = dict(curves, steps=[1], val=[0.8125])
+  rec["chosen"] = "lam0_lr1e-4"
+  (res / "recursion_recipe.json").write_text(json.dumps(rec))
+  table = gen.gen_recursion_recipe("docs/results/recursion.md")
+  assert "The warm start solves 15/16 [0.72, 0.99]" in table
+  assert "| lam0_lr1e-4 | lr=0.0001, lam=0 | 16/16, 15/16, -, 14/16 | 1 | no | 0.09 | 95 |" in table
+  assert "| lam05_lr1e-4 | lr=0.0001, lam=0.5 | 13/16 | 1 of 4 steps done |" in table
+  assert "| lam0_lr3e-4 | lr=0.0003, lam=0 | - | not run yet |" in table
+  assert "Chosen: **lam0_lr1e-4**." in table and "fixed before any candidate ran" in table
