@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.kernels import decode_cpu, paged
+from rao_jax.kernels import decode, decode_cpu, paged
 from rao_jax.model.transformer import Transformer
 from rao_jax.testing import tiny_config
 
@@ -93,6 +93,12 @@ def test_paged_cpu_kernel_equals_the_contiguous_one_bit_for_bit():
   contiguous = decode_cpu.attend(q, rows_k, rows_v, jnp.arange(len(START), dtype=jnp.int32),
                                  start)
   np.testing.assert_array_equal(decode_cpu.attend_paged(q, k0, v0, pages, start), contiguous)
+  # XLA's reference over a one-page table (rows read in place) is its contiguous attention.
+  rows_B1 = jnp.asarray([[4], [0], [3], [1], [2]], jnp.int32)
+  np.testing.assert_array_equal(
+      paged.xla_paged_decode_attention(q, rows_k, rows_v, rows_B1, start),
+      decode.xla_decode_attention(q, jnp.take(rows_k, rows_B1[:, 0], axis=0),
+                                  jnp.take(rows_v, rows_B1[:, 0], axis=0), start))
 
 
 def test_gpu_kernel_splits_long_rows_into_parts():

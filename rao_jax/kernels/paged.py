@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from rao_jax.kernels import decode_cpu, mkl
-from rao_jax.kernels.attention import MASK_VALUE, cached_attention
+from rao_jax.kernels.attention import MASK_VALUE, cache_rows_attention, cached_attention
 from rao_jax.kernels.decode import (_GPU_MIN_ROWS, _online_softmax_step, _scaled_groups,
                                     xla_decode_attention)
 
@@ -96,6 +96,14 @@ def view_attention(q_BxTxHxh, k_NxKxhxP, v_NxKxPxh, pages_BxW, visible_BxTxS, dt
 # ---- XLA (every platform) --------------------------------------------------------------------
 def xla_paged_decode_attention(q_Bx1xHxh, k_NxKxhxP, v_NxKxPxh, pages_BxW, start_B):
   """The reference: XLA's masked attention over each row's W pages gathered into a view."""
+  if pages_BxW.shape[1] == 1:
+    # One page a row is a contiguous cache whose rows are pages: read in place on CPU (no
+    # gather), as the unpaged engine's decode did.
+    P = k_NxKxhxP.shape[-1]
+    visible_Bx1xP = (jnp.arange(P, dtype=jnp.int32)[None, None, :]
+                     <= jnp.asarray(start_B, jnp.int32)[:, None, None])
+    return cache_rows_attention(q_Bx1xHxh, k_NxKxhxP, v_NxKxPxh, visible_Bx1xP,
+                                q_Bx1xHxh.dtype, jnp.maximum(pages_BxW[:, 0], 0))
   k_BxKxhxS, v_BxKxSxh = view(k_NxKxhxP, v_NxKxPxh, pages_BxW)
   return xla_decode_attention(q_Bx1xHxh, k_BxKxhxS, v_BxKxSxh, start_B)
 
