@@ -440,3 +440,84 @@ def test_num_pages_must_hold_one_context():
     EngineConfig(num_slots=4, max_len=100, page_size=16, num_pages=6)
   with pytest.raises(ValueError, match="page_size"):
     EngineConfig(page_size=0)
+
+
+def test_random_workloads_keep_every_context_readable_through_its_pages():
+  stats = collections.Counter()
+  for seed in range(6):
+    stats.update(_random_workload(seed))
+  # The workloads did meet what they are here for.
+  assert min(stats[k] for k in ("preemptions", "evictions", "prefix_shares", "page_copies",
+                                "page_waits")) > 0, stats
+
+
+def _random_workload(seed):
+  """The table driven as the scheduler drives it, over a small pool, with sessions, shared
+  prefixes, preemptions and evictions, against a model of the device pool: each write goes
+  through the writer's pages (which it must hold alone), each copy the table asks for is made
+  before the writes, and after every step every slot reads its tokens back through its pages."""
+  import random
+  rng = random.Random(seed)
+  t = table(num_slots=4, max_len=64, page_size=8, num_pages=12, share_prefix_min=4,
+            chunk_sizes=(4, 16), prefill_rows=(1, 2))
+  P = t.pool.page_size
+  device = {p: [None] * P for p in range(t.pool.num_pages)}
+  heads = [[rng.randrange(1000, 2000) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+  histories = {}
+
+  def write(slot, start, toks):
+    for i, tok in enumerate(toks):
+      page = slot.pages[(start + i) // P]
+      assert t.pool.exclusive(page), (slot.index, start + i, page)
+      device[page][(start + i) % P] = tok
+
+  def reserve(slots, ends):
+    kept = [s for s, e in zip(slots, ends) if s.req is not None and t.reserve(s, e)]
+    for src, dst in t.take_copies():
+      device[dst] = list(device[src])
+    return kept
+
+  def end(r):
+    r.done = True
+    if r.session_id is not None:
+      histories[r.session_id] = r.prompt + r.out
+    t.release(r)
+
+  for step in range(150):
+    if rng.random() < 0.5 and len(t.waiting) < 6:
+      sid = rng.choice([None, "a", "b", "c", "d"])
+      busy = {s.req.session_id for s in t.slots if s.req is not None} | {
+          r.session_id for r in t.waiting}
+      if sid in busy:
+        sid = None
+      base = histories.get(sid) if sid is not None and rng.random() < 0.7 else None
+      prompt = (base or rng.choice(heads)) + [rng.randrange(3, 900)
+                                              for _ in range(rng.randrange(1, 12))]
+      if len(prompt) < 40:
+        t.waiting.append(req(prompt, session=sid, rid=f"q{step}", max_new=rng.randrange(1, 10),
+                             limit=56))
+    t.admit()
+    if t.prefilling():
+      C, group = t.prefill_group()
+      group = reserve(group, [len(s.tokens) + min(C, len(s.req.context) - len(s.tokens))
+                              for s in group])
+      pieces = [s.req.context[len(s.tokens):len(s.tokens) + C] for s in group]
+      for s, piece in zip(group, pieces):
+        write(s, len(s.tokens), piece)
+      for s in t.prefilled(group, pieces):
+        if not s.req.out:
+          s.req.record(rng.randrange(3, 900), -1.0)
+    decoding = sorted(t.decoding(), key=lambda s: s.req.seq)
+    for s in reserve(decoding, [len(s.tokens) + 1 for s in decoding]):
+      r = s.req
+      write(s, len(s.tokens), [r.out[-1]])
+      s.tokens.append(r.out[-1])
+      r.record(rng.randrange(3, 900), -1.0)
+      if r.end_after_last() is not None:
+        end(r)
+    if rng.random() < 0.05:
+      t.new_weights()
+    check_pages(t)
+    for s in t.slots:
+      assert [device[s.pages[j // P]][j % P] for j in range(len(s.tokens))] == s.tokens
+  return t.stats

@@ -283,7 +283,7 @@ class SlotTable:
       return None, False
     return min(idle, key=lambda s: s.last_used), True
 
-  def _pages_within_reach(self, exclude: Slot) -> int:
+  def _pages_within_reach(self, exclude: Slot | None) -> int:
     """Free pages, and those only an idle slot other than ``exclude`` holds (evictable), less
     those the contexts admitted before and still prefilling will take."""
     idle = sum(1 for s in self.slots if s.req is None and s is not exclude
@@ -325,7 +325,8 @@ class SlotTable:
       held = n if share else reuse
       need = (self.pool.pages_for(len(ctx) + self.config.margin) - self.pool.pages_for(held)
               + (held % P > 0))
-      if self.any_running() and need > self._pages_within_reach(slot):
+      # The slot's own pages count when taking it evicts them (else it keeps what it reuses).
+      if self.any_running() and need > self._pages_within_reach(None if evict else slot):
         blocked.append(req)
         self.stats["page_waits"] += 1
         break
