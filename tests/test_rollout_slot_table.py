@@ -435,6 +435,9 @@ def test_the_youngest_request_asking_for_a_page_is_preempted_itself():
 
 def test_num_pages_must_hold_one_context():
   assert EngineConfig(num_slots=4, max_len=100, page_size=16).num_pages == 4 * 7
+  # By default a slot holds 1,024 positions on average beyond that, and one context fits.
+  assert EngineConfig(num_slots=32, max_len=8192, page_size=64).num_pages == 32 * 16
+  assert EngineConfig(num_slots=4, max_len=8192, page_size=64).num_pages == 128
   assert EngineConfig(num_slots=4, max_len=100, page_size=16, num_pages=7).pages_per_row == 7
   with pytest.raises(ValueError, match="num_pages"):
     EngineConfig(num_slots=4, max_len=100, page_size=16, num_pages=6)

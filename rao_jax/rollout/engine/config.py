@@ -27,6 +27,13 @@ def bucket(buckets: Sequence[int], n: int) -> int:
   return buckets[-1]
 
 
+# num_pages=0's pool: positions a slot holds on average. The held-out evaluation's agent
+# contexts hold at most 925 positions (mean 703; bench_decode_floor.json), so the CPU runs'
+# unpaged caches stayed at their 1,024 bucket: the same memory, now a budget longer contexts
+# share instead of a length every slot pays for.
+_DEFAULT_SLOT_POSITIONS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Shapes and policies of the embedded engine.
@@ -40,13 +47,16 @@ class EngineConfig:
       the Pallas kernel wants a power of two >= 16 (XLA's attention otherwise), on TPU a
       multiple of 128 fills the vector lanes.
     num_pages: pages in the KV pool (its memory: num_pages x page_size positions x layers x
-      K x h x 2 (keys, values) x the dtype's bytes); 0 = num_slots x ceil(max_len /
-      page_size), every slot able to hold max_len at once (never preempts; the memory the
-      unpaged cache had at its longest). Fewer pages hold as many contexts as their actual
-      lengths fit: when a context must grow and no page is free, idle sessions are evicted
-      (least recently used first), then the most recently admitted request is preempted (its
-      pages freed; it waits and is recomputed, its output so far kept). At least
-      ceil(max_len / page_size), so one context always fits.
+      K x h x 2 (keys, values) x the dtype's bytes), allocated once. The pool holds as many
+      contexts as their actual lengths fit: when a context must grow and no page is free, idle
+      sessions are evicted (least recently used first), then the most recently admitted
+      request is preempted (its pages freed; it waits and is recomputed, its output so far
+      kept). At least ceil(max_len / page_size), so one context always fits. 0 = num_slots x
+      ceil(min(max_len, 1024) / page_size) (and at least that one context): every slot can
+      hold max_len at once up to max_len 1,024, and 1,024 positions a slot on average beyond
+      (the agents' contexts measured here hold at most 925 positions, mean 703: on the CPU
+      runs this is the memory the unpaged cache took). On a GPU or TPU size it to the device
+      (``benchmarks/bench_memory_plan.py --engine``).
     cache_lens: lengths of the gathered view of a row that a prefill chunk attends over,
       ascending, ending at max_len (each rounded up to whole pages); a chunk uses the smallest
       covering its rows. () = doubling from min_cache_len up to max_len. Decode reads each
@@ -120,10 +130,11 @@ class EngineConfig:
       if int(getattr(self, name)) < 1:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1.")
     if int(self.num_pages) == 0:
-      object.__setattr__(self, "num_pages", self.num_slots * self.pages_per_row)
+      per_slot = -(-min(self.max_len, _DEFAULT_SLOT_POSITIONS) // self.page_size)
+      object.__setattr__(self, "num_pages", max(self.num_slots * per_slot, self.pages_per_row))
     if int(self.num_pages) < self.pages_per_row:
-      raise ValueError(f"EngineConfig.num_pages={self.num_pages!r}: must be 0 (enough for every "
-                       f"slot) or at least {self.pages_per_row} (max_len={self.max_len} / "
+      raise ValueError(f"EngineConfig.num_pages={self.num_pages!r}: must be 0 (the default "
+                       f"pool) or at least {self.pages_per_row} (max_len={self.max_len} / "
                        f"page_size={self.page_size}, rounded up), so that one context fits; "
                        "raise num_pages, or lower max_len.")
     if not self.cache_lens:
