@@ -566,7 +566,8 @@ class EmbeddedEngine(Engine):
     """Marks the engine failed: the requests it holds and every later call raise
     EngineFailedError (a caller then knows that re-submitting cannot help)."""
     msg = (f"EmbeddedEngine stopped serving: {why}. Free accelerator memory or lower "
-           "EngineConfig.num_slots / max_len, or raise EngineConfig.max_consecutive_faults.")
+           "EngineConfig.num_pages (the KV pool) / num_slots / max_len, or raise "
+           "EngineConfig.max_consecutive_faults.")
     with self._cv:
       self._failed = msg
       controls, self._controls = self._controls, []
