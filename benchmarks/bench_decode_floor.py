@@ -80,8 +80,9 @@ def decode_steps(model, repeats=12):
   for S in (64, 384, 768, WINDOW):
     state = {"cache": model.init_cache(batch_size=ROWS, max_len=S)}
     R = ROWS
+    # Row r is page r, of S slots (one page per row: the window): the engine's decode program.
     args = (programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), S - 40, jnp.int32),
-                                 jnp.ones((R,), bool)),
+                                 jnp.ones((R,), bool), jnp.arange(R, dtype=jnp.int32)[:, None]),
             programs.sampling_arrays(R))
 
     def run():
@@ -103,7 +104,7 @@ def kernel_ab(model, held: int, rounds: int, repeats: int) -> dict:
   params = model.inference_params()
   R = ROWS
   batch = programs.DecodeBatch(jnp.ones((R,), jnp.int32), jnp.full((R,), held, jnp.int32),
-                               jnp.ones((R,), bool))
+                               jnp.ones((R,), bool), jnp.arange(R, dtype=jnp.int32)[:, None])
   arrays = programs.sampling_arrays(R)
   steps = {way: functools.partial(programs.decode,
                                   CachedForward(model.cfg.replace(kernels=choice)), 1)

@@ -87,7 +87,10 @@ def main():
       fn = jax.jit(decode, static_argnums=(0, 1), donate_argnums=(3,))
       with (sliced_attention() if name == "sliced" else contextlib.nullcontext()):
         for R in ROWS:
-          batch = P.DecodeBatch.zeros(R)
+          # Row r is page r of the cache (a pool of SLOTS pages of S slots): the engine's
+          # decode program reading the first R rows, as before its cache was paged.
+          batch = P.DecodeBatch.zeros(R, 1)
+          batch.pages_RxW[:, 0] = np.arange(R)
           batch.lengths_R[:] = np.linspace(S // 4, S - 2, R).astype(np.int32)
           batch.active_R[:] = True
           arrays = P.sampling_arrays(R)

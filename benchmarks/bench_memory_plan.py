@@ -1,11 +1,12 @@
-"""Memory plan of the RAO train step at real sizes on an 8-device mesh (fsdp=4 x tensor=2).
+"""Memory plans at real sizes: the RAO train step on an 8-device mesh, and (``--engine``) how many
+rows the embedded engine's paged KV cache holds on one chip against a fixed window.
 
-For Llama-3.2-1B, Qwen3-1.7B and Qwen3-4B shapes, rows of 8,192 and 40,960 tokens, bfloat16
-compute with float32 masters and AdamW moments, and each remat policy, it reports per-device
-bytes of parameters, optimizer state, gradient accumulators and activations, and whether they
-fit an H200 (141 GB), a TPU v5p (95 GB) and a TPU v5e (16 GB) chip with 10% headroom; each
-full fine-tuning row has a LoRA twin (rank 16 on every projection: moments and gradients of the
-adapter alone, the frozen base stored once), on the same shapes.
+The train step (the default run): for Llama-3.2-1B, Qwen3-1.7B and Qwen3-4B shapes, rows of
+8,192 and 40,960 tokens, bfloat16 compute with float32 masters and AdamW moments, and each
+remat policy, it reports per-device bytes of parameters, optimizer state, gradient accumulators
+and activations, and whether they fit an H200 (141 GB), a TPU v5p (95 GB) and a TPU v5e (16 GB)
+chip with 10% headroom; each full fine-tuning row has a LoRA twin (rank 16 on every projection:
+moments and gradients of the adapter alone, the frozen base stored once), on the same shapes.
 
 The per-device figures come from an estimate (``estimate``, below); XLA's own memory analysis
 (``compiled.memory_analysis()``) of the same train step, compiled (not run) for a fake 8-device
@@ -15,10 +16,24 @@ CPU would lower XLA's blocked attention (the CPU branch), whose [query block, T]
 the TPU/GPU kernels never hold, so XLA's figure at full size would describe the CPU, not the
 accelerator. Nothing is executed: no weights are allocated.
 
+The engine (``--engine``, arithmetic only, seconds): for SmolLM2-135M, Llama-3.2-1B and Qwen3-4B
+at 8K and 40K contexts on an H100 (80 GB), an H200 (141 GB) and a TPU v5e (16 GB), v5p (95 GB)
+and v6e (32 GB) chip, the engine alone on the chip (an evaluation, a rollout server: with the
+learner beside it, subtract the train step's plan), bfloat16 weights and KV: the KV budget is
+90% of the chip less the weights and a prefill call's gathered view (``prefill_rows`` rows at
+the full context, one layer); each decoding row also holds its float32 logits. A fixed window
+holds every row at the full context (the unpaged engine's largest bucket); the paged cache holds
+a row by the pages its length takes (``EngineConfig.page_size`` 64: half a page lost on
+average). Two length assumptions: the held-out TextCraft evaluation's measured mean context
+(``bench_decode_floor.json``'s ``evaluation_floor.mean_context``: 702.6 positions, at most 925;
+the KV a decoding row holds, averaged over its generated tokens), and rows holding half the
+context on average. It writes ``benchmarks/results/bench_memory_plan.engine.json``.
+
     python benchmarks/bench_memory_plan.py [--quick]
+    python benchmarks/bench_memory_plan.py --engine
 
 Progress on stderr; one JSON line on stdout (rows of the plan, the checks, the recommended
-remat policy per model, row length and chip).
+remat policy per model, row length and chip; or the engine's rows per model, context and chip).
 """
 from __future__ import annotations
 
@@ -70,6 +85,20 @@ MODELS = {
                      max_position_embeddings=40960),
 }
 REMATS = memory.REMATS
+# The engine plan (--engine): SmolLM2-135M's shape (its native context is 8,192; the 40K rows
+# are arithmetic on its shape), and the chips one model is served from.
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
+                    hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    max_position_embeddings=8192)
+ENGINE_MODELS = {"smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": MODELS["llama-3.2-1b"],
+                 "qwen3-4b": MODELS["qwen3-4b"]}
+ENGINE_CHIPS = {"h100_80gb": 80e9, "h200_141gb": 141e9, "tpu_v5e_16gb": 16e9,
+                "tpu_v5p_95gb": 95e9, "tpu_v6e_32gb": 32e9}
+ENGINE_CONTEXTS = (8192, 40960)
+ENGINE_RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                             "bench_memory_plan.engine.json")
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
@@ -167,10 +196,85 @@ def plan(quick: bool) -> dict:
   return {"rows": rows, "recommended_remat": recommend}
 
 
+def measured_mean_context() -> tuple[float, int, str]:
+  """(mean, max) context of the held-out evaluation's decode steps, from bench_decode_floor's
+  committed result, and where it came from."""
+  path = os.path.join(os.path.dirname(ENGINE_RESULT), "bench_decode_floor.json")
+  with open(path) as f:
+    for line in reversed(f.read().splitlines()):
+      floor = json.loads(line).get("evaluation_floor") if line.strip() else None
+      if floor and "mean_context" in floor:
+        return (float(floor["mean_context"]), int(floor["max_context"]),
+                f"benchmarks/results/bench_decode_floor.json evaluation_floor ({floor['trees']})")
+  raise ValueError(f"{path} has no evaluation_floor.mean_context; run bench_decode_floor.py "
+                   "--trees first.")
+
+
+def engine_rows(name: str, context: int, chip_bytes: float, mean_lengths: dict) -> dict:
+  """Rows of ``context`` the engine holds on one chip: fixed window against paged."""
+  from rao_jax.rollout.engine import EngineConfig  # pylint: disable=g-import-not-at-top
+  ecfg = EngineConfig(num_slots=4, max_len=context)    # the defaults: page size, prefill rows
+  cfg = ModelConfig.from_hf_config(ENGINE_MODELS[name])
+  weights = n_params(cfg)[0] * 2                                          # bfloat16
+  kv_per_position = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * 2   # keys, values
+  view = ecfg.prefill_rows[-1] * context * cfg.n_kv_heads * cfg.head_dim * 2 * 2
+  logits = cfg.vocab_size * 4                                             # per decoding row
+  budget = HEADROOM * chip_bytes - weights - view
+
+  def rows(held: float) -> int:
+    return max(int(budget // (held * kv_per_position + logits)), 0) if budget > 0 else 0
+  fixed = rows(context)
+  row = {"model": name, "context": context, "weights_gb": round(weights / GB, 2),
+         "kv_per_token_kb": round(kv_per_position / 1e3, 1),
+         "kv_row_at_context_gb": round(context * kv_per_position / GB, 3),
+         "prefill_view_gb": round(view / GB, 3), "kv_budget_gb": round(budget / GB, 2),
+         "fixed_window_rows": fixed}
+  for label, mean in mean_lengths.items():
+    held = min(mean(context), context) + (ecfg.page_size - 1) / 2    # half a page lost
+    row[f"paged_rows_{label}"] = rows(held)
+    row[f"paged_over_fixed_{label}"] = round(rows(held) / fixed, 1) if fixed else None
+  return row
+
+
+def engine_plan() -> dict:
+  mean, longest, source = measured_mean_context()
+  lengths = {"textcraft": lambda ctx: mean, "half_context": lambda ctx: ctx / 2}
+  rows = []
+  for name in ENGINE_MODELS:
+    for context in ENGINE_CONTEXTS:
+      for chip, cap in ENGINE_CHIPS.items():
+        rows.append({"chip": chip, **engine_rows(name, context, cap, lengths)})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+  from rao_jax.rollout.engine import EngineConfig  # pylint: disable=g-import-not-at-top
+  return {"bench": "memory_plan_engine", "chips_gb": {k: v / GB for k, v in ENGINE_CHIPS.items()},
+          "headroom": HEADROOM, "dtype": "bfloat16 weights and KV, float32 logits",
+          "page_size": EngineConfig.page_size,
+          "prefill_rows": EngineConfig(num_slots=4).prefill_rows[-1],
+          "assumptions": {
+              "textcraft": f"every row holds the held-out TextCraft evaluation's mean context, "
+                           f"{mean} positions (at most {longest}), from {source}",
+              "half_context": "rows hold half the context on average",
+              "fixed_window": "every row holds the whole context (the unpaged engine's largest "
+                              "cache bucket, or any fixed-window cache)",
+              "alone": "the engine alone on the chip; the learner's step, when it shares the "
+                       "chip, takes the train step's plan first"},
+          "rows": rows}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="one model, two XLA checks")
+  ap.add_argument("--engine", action="store_true",
+                  help="the embedded engine's KV rows per chip (arithmetic; writes "
+                       "benchmarks/results/bench_memory_plan.engine.json)")
   args = ap.parse_args()
+  if args.engine:
+    out = engine_plan()
+    line = json.dumps(out)
+    with open(ENGINE_RESULT, "w") as f:
+      f.write(line + "\n")
+    print(line)
+    return
   mesh = sharding.make_mesh(1, FSDP, TENSOR)
   out = {"bench": "memory_plan", "mesh": {"fsdp": FSDP, "tensor": TENSOR},
          "chips_gb": {k: v / GB for k, v in CHIPS.items()}, "headroom": HEADROOM,

@@ -56,7 +56,7 @@ def make_run(engine, seed=0):
     dt = time.perf_counter() - t0
     assert engine.flush_cache()     # every round starts cold
     return dt, {k: engine.stats[k] - before.get(k, 0)
-                for k in ("prefill_tokens", "prefix_copied_tokens", "decode_tokens")}
+                for k in ("prefill_tokens", "prefix_shared_tokens", "decode_tokens")}
   return run
 
 
@@ -100,7 +100,7 @@ def main():
       "rounds_s_on": [round(t, 2) for t in times[32]],
       "prefill_tokens_off": work[0]["prefill_tokens"],
       "prefill_tokens_on": work[32]["prefill_tokens"],
-      "copied_tokens_on": work[32]["prefix_copied_tokens"]}))
+      "shared_tokens_on": work[32]["prefix_shared_tokens"]}))
 
 
 if __name__ == "__main__":

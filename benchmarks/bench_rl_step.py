@@ -245,11 +245,14 @@ def measure_rates(tr, batch, cache_len: int, reps: int = 4) -> dict:
   eng = EmbeddedEngine(tr.learner.model, tr.engine.config)
   sched, c = eng._sched, eng.config  # pylint: disable=protected-access
   params = sched.state.params
+  # num_slots rows of cache_len slots each: a pool of one page of cache_len slots per row
+  # (each row's page table names its page), the engine's programs over the same reads.
   cache = sched._init_cache(batch_size=c.num_slots, max_len=cache_len)  # pylint: disable=protected-access
   out = {"cache_len": cache_len, "decode_steps": c.decode_steps, "decode_call_s": {},
          "decode_tokens_per_s": {}}
   for R in c.decode_rows:
-    b = P.DecodeBatch.zeros(R)
+    b = P.DecodeBatch.zeros(R, 1)
+    b.pages_RxW[:, 0] = np.arange(R)
     b.lengths_R[:] = cache_len // 2
     b.active_R[:] = True
     times = []
@@ -263,8 +266,8 @@ def measure_rates(tr, batch, cache_len: int, reps: int = 4) -> dict:
     out["decode_tokens_per_s"][R] = R * c.decode_steps / out["decode_call_s"][R]
     log(f"decode R={R}: {out['decode_tokens_per_s'][R]:.0f} tokens/s")
   rows, C = c.prefill_rows[-1], c.chunk_sizes[-1]
-  pb = P.PrefillBatch.zeros(rows, C)
-  pb.rows_P[:] = np.arange(rows)
+  pb = P.PrefillBatch.zeros(rows, C, 1)
+  pb.pages_PxV[:, 0] = np.arange(rows)
   pb.n_valid_P[:] = C
   times = []
   for i in range(reps + 1):

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The accelerator checks on one NVIDIA GPU (an H200 when one is lent), offline, in
-# under 10 minutes. The machine has no package index but has jax (CUDA), flax, optax, orbax,
-# chex, absl-py, transformers, tokenizers, safetensors, aiohttp and tqdm; rao_jax's learner,
-# model and engine import nothing else, so the tree runs from PYTHONPATH (no install, no wheels).
+# The accelerator checks on one NVIDIA GPU (an H200 when one is lent), offline: parts 1-4 in
+# under 10 minutes, part 5 up to 4 more (PARTS="5" runs it alone, PARTS="1 2 4" the others,
+# so each command fits a 10-minute call). The machine has no package index but has jax
+# (CUDA), flax, optax, orbax, chex, absl-py, transformers, tokenizers, safetensors, aiohttp
+# and tqdm; rao_jax's learner, model and engine import nothing else, so the tree runs from
+# PYTHONPATH (no install, no wheels).
 #
 #   OUT=/path bash benchmarks/gpu_run.sh              # on the GPU: JSON lines under $OUT
+#   OUT=/path PARTS="5" bash benchmarks/gpu_run.sh    # only the paged KV cache's part
 #   bash benchmarks/gpu_run.sh --cpu-dry-run          # here: the same steps at toy sizes on CPU
 #
 # It prints (and writes to $OUT/*.json) one JSON line per part:
@@ -17,7 +20,12 @@
 #   4. the decode attention over live slots (rao_jax.kernels.decode: Pallas/Triton on CUDA)
 #      against XLA's attention over the whole cache window, one layer of Llama-3.2-1B's shape,
 #      at batch 64 x 4,096 slots and at batch 8 x a 40,960-slot (40K) context, rows holding
-#      a quarter to all of the window.
+#      a quarter to all of the window;
+#   5. the paged KV cache (benchmarks/bench_paged_decode.py): its decode kernel
+#      (rao_jax.kernels.paged, Pallas/Triton over each row's page table) against XLA's
+#      attention over the gathered pages at batch 64 x 4,096 slots and batch 8 x 40K, and the
+#      rows of a 40K context the embedded engine holds with its pool in the GPU's free memory
+#      (TextCraft-length requests all running at once) against a fixed 40K window.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -38,9 +46,13 @@ else
   LIMIT_MFU=300; LIMIT_REST=240      # with start-up, inside the 10 minutes of a lent H200
 fi
 export GPU_RUN_DRY=$DRY
+PARTS=${PARTS:-"1 2 4 5"}   # 2 is parts 2 and 3 (one program)
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+status=0
 
 "$PY" -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/devices.txt" || exit 1
 
+if want 1; then
 echo "== 1/3 learner MFU" >&2
 timeout "$LIMIT_MFU" "$PY" benchmarks/bench_learner.py "${MFU_ARGS[@]}" | tail -n 1 \
   > "$OUT/learner_mfu.json"
@@ -49,7 +61,9 @@ if [[ ! -s "$OUT/learner_mfu.json" ]]; then   # timed out or failed: say so in t
     > "$OUT/learner_mfu.json"
 fi
 cat "$OUT/learner_mfu.json"
+fi
 
+if want 2; then
 echo "== 2/3 decode and 3/3 attention" >&2
 timeout "$LIMIT_REST" "$PY" - "$OUT" <<'PYEOF'
 """Decode throughput against the HBM roofline, and the attention kernel against XLA's."""
@@ -167,8 +181,10 @@ for T in ((4096, 8192) if not DRY else (128,)):
 emit("attention_kernel", {"kernel": "pallas gpu flash attention (segment ids, causal)",
                           "peer": "XLA blocked causal attention", "rows": rows})
 PYEOF
-status=$?
+status=$(( status || $? ))
+fi
 
+if want 4; then
 echo "== 4/4 decode attention over live slots" >&2
 timeout "$LIMIT_REST" "$PY" - "$OUT" <<'PYEOF'
 """The decode attention kernel over live slots against XLA's attention over the window."""
@@ -231,5 +247,21 @@ with open(os.path.join(OUT, "decode_attention_kernel.json"), "w") as f:
   f.write(line + "\n")
 PYEOF
 status=$(( status || $? ))
+fi
+
+if want 5; then
+echo "== 5/5 paged KV cache: decode kernel and rows at 40K" >&2
+SMOKE=()
+if [[ $DRY == 1 ]]; then SMOKE=(--smoke); fi
+timeout "$LIMIT_REST" "$PY" benchmarks/bench_paged_decode.py --out "$OUT" ${SMOKE[@]+"${SMOKE[@]}"} \
+  | tail -n 1 > "$OUT/paged_decode.json"
+paged=${PIPESTATUS[0]}
+if [[ ! -s "$OUT/paged_decode.json" ]]; then
+  echo "{\"bench\": \"paged_decode\", \"error\": \"no result within ${LIMIT_REST} s (see stderr)\"}" \
+    > "$OUT/paged_decode.json"
+fi
+cat "$OUT/paged_decode.json"
+status=$(( status || paged ))
+fi
 ls -l "$OUT" >&2
 exit $status

@@ -448,6 +448,30 @@ def gen_memory_plan(page: str) -> str:
   return "\n".join(out)
 
 
+def gen_engine_memory_plan(page: str) -> str:
+  """Rows the embedded engine's KV cache holds on one chip: a fixed window against paged."""
+  d = load_json("bench_memory_plan.engine.json")
+  if not d:
+    return ("`benchmarks/results/bench_memory_plan.engine.json` is missing: run "
+            "`benchmarks/bench_memory_plan.py --engine`.")
+  chips = list(d["chips_gb"])
+  out = [f"Rows held at once, {d['dtype']}, the engine alone on the chip, {d['headroom']:.0%} "
+         f"of it less the weights and a prefill call's gathered view; each cell: a fixed window "
+         f"of the whole context / paged at the TextCraft evaluation's mean context / paged at "
+         f"half the context (pages of {d['page_size']} slots). Arithmetic, not a measurement: "
+         "`benchmarks/bench_memory_plan.py --engine`.", "",
+         "| model | context | weights | " + " | ".join(c.replace("_", " ") for c in chips)
+         + " |", "|---|---|---|" + "---|" * len(chips)]
+  by = {(r["model"], r["context"], r["chip"]): r for r in d["rows"]}
+  for model, ctx in dict.fromkeys((r["model"], r["context"]) for r in d["rows"]):
+    cells = [f"{by[model, ctx, c]['fixed_window_rows']} / "
+             f"{by[model, ctx, c]['paged_rows_textcraft']} / "
+             f"{by[model, ctx, c]['paged_rows_half_context']}" for c in chips]
+    out.append(f"| {model} | {ctx // 1024}K | {by[model, ctx, chips[0]]['weights_gb']:.1f} GB | "
+               + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
 def gen_bench_list(page: str) -> str:
   """Every benchmark: what it measures (its docstring's first sentence) and its result file."""
   out = ["| benchmark | what it measures | result |", "|---|---|---|"]
@@ -866,6 +890,7 @@ BLOCKS: dict[str, Callable[[str], str]] = {
     "results_table": gen_results_table,
     "speed_table": gen_speed_table,
     "memory_plan": gen_memory_plan,
+    "engine_memory_plan": gen_engine_memory_plan,
     "bench_list": gen_bench_list,
 }
 WHOLE_FILES: dict[str, Callable[[], str]] = {

@@ -110,14 +110,15 @@ def keep_freed_memory() -> bool:
 def release_free_memory() -> bool:
   """Hands the free pages inside malloc's heap back to the OS (``malloc_trim``); True when it ran.
 
-  With freed memory kept, blocks of different sizes fragment the heap: the rollout engine's KV
-  cache has one size per cache-length bucket (0.75, 1.5 and 3 GB for 32 SmolLM2 slots at 512,
-  1,024 and 2,048 tokens), and each resize frees one size and allocates another, which the
-  freed hole cannot hold. Warming up every resize took an evaluation process from 2.2 to
-  19.3 GB resident, and hard trees then grew it past a 24 GB machine. Trimming after a
-  resize keeps the heap's layout (the next step reuses it, faulting its pages in once) and
-  returns the holes: 6.5 GB after the same warm-up. A no-op where ``keep_freed_memory`` is not
-  in effect (glibc's own defaults return large blocks by themselves).
+  With freed memory kept, blocks of different sizes fragment the heap: the rollout engine's
+  unpaged KV cache had one size per cache-length bucket (0.75, 1.5 and 3 GB for 32 SmolLM2
+  slots at 512, 1,024 and 2,048 tokens), and each resize freed one size and allocated another,
+  which the freed hole could not hold. Warming up every resize took an evaluation process from
+  2.2 to 19.3 GB resident; trimming after each resize returned the holes (6.5 GB after the same
+  warm-up). The paged cache is one pool allocated once; the engine still trims after its
+  warm-up, whose compilations leave fragments (tests/test_host_memory.py). A no-op where
+  ``keep_freed_memory`` is not in effect (glibc's own defaults return large blocks by
+  themselves).
   """
   if not _state["applied"]:
     return False

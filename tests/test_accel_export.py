@@ -1,8 +1,9 @@
 """Kernels follow the LOWERING platform: the train step (float32 and bfloat16) and the embedded
-engine's prefill and decode programs export (``jax.export``) for ``cuda`` and ``tpu`` from this
-CPU host with no CPU-only custom call inside, and carry the platform's attention kernel (the
-decode program its decode attention over live slots); the same traces lowered for the CPU carry
-the MKL kernels and the CPU decode kernel (where they are enabled).
+engine's prefill and decode programs over its paged KV cache export (``jax.export``) for
+``cuda`` and ``tpu`` from this CPU host with no CPU-only custom call inside, and carry the
+platform's attention kernel (the decode program its paged decode attention over each row's live
+pages); the same traces lowered for the CPU carry the MKL kernels and the CPU decode kernel
+(where they are enabled).
 """
 import dataclasses
 import functools
@@ -113,14 +114,16 @@ def _engine_programs(dtype, kernels):
   make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))
   fns = nnx.eval_shape(make).inference_fns()
   params = jax.eval_shape(lambda: make().inference_params())
-  cache = jax.eval_shape(lambda: make().init_cache(batch_size=4, max_len=256))
+  # The engine's cache: a pool of 16 pages of 64 slots; rows of up to 4 pages (256 slots).
+  cache = jax.eval_shape(lambda: make().init_cache(batch_size=16, max_len=64))
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   prefill = (programs.prefill, (fns, params, cache,
-                                programs.PrefillBatch(i32(2), i32(2, 64), i32(2), i32(2))))
+                                programs.PrefillBatch(i32(2, 2), i32(2, 64), i32(2), i32(2))))
   decode = (programs.decode, (fns, 2, params, cache,
                               programs.DecodeBatch(i32(4), i32(4),
-                                                   jax.ShapeDtypeStruct((4,), jnp.bool_)),
+                                                   jax.ShapeDtypeStruct((4,), jnp.bool_),
+                                                   i32(4, 4)),
                               programs.SamplingArrays(f32(4), f32(4), i32(4),
                                                       jax.ShapeDtypeStruct((4,), jnp.uint32),
                                                       f32(4))))
@@ -162,7 +165,7 @@ def test_engine_programs_export_for_gpu_and_tpu(mkl_on_host, name, dtype):
   fn, args = _engine_programs(dtype, mkl_on_host)[name]
   for platform, kernel in PLATFORM_KERNELS.items():
     targets = _check_export(fn, args, platform)
-    if name == "decode":   # the platform's decode attention over each row's live slots
+    if name == "decode":   # the platform's decode attention over each row's live pages
       assert kernel in targets, (platform, targets)
   cpu_targets = _targets(fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text())
   decode_kernel = name == "decode" and mkl_on_host != "xla" and decode_cpu.available(mkl_on_host)

@@ -1,5 +1,6 @@
 """The embedded engine against the plain model: greedy parity, logprobs, batching, sessions,
-compilation count, limits, aborts and weight swaps. A tiny random model; one slow real test."""
+prefix sharing by pages, a pool small enough to preempt, compilation count, limits, aborts and
+weight swaps. A tiny random model; one slow real test."""
 import asyncio
 
 import jax
@@ -15,8 +16,10 @@ from rao_jax.rollout.embedded import EmbeddedEngine, EngineConfig
 from rao_jax.testing import tiny_config
 
 # Small shapes so every program compiles once for the whole module (the jitted functions are
-# shared by every engine over the same architecture): 2 cache lengths x 1 chunk x 1 row bucket.
-CFG = dict(num_slots=4, max_len=64, cache_lens=(32, 64), chunk_sizes=(16,), prefill_rows=(2,))
+# shared by every engine over the same architecture): 2 prefill views x 1 chunk x 1 row bucket.
+# Pages of 16 slots: a context spans up to 4, and the prefixes below end inside one.
+CFG = dict(num_slots=4, max_len=64, cache_lens=(32, 64), chunk_sizes=(16,), prefill_rows=(2,),
+           page_size=16)
 REF_T = 64
 _GRAPHDEF = []
 
@@ -198,7 +201,8 @@ def test_no_compilation_after_warmup(model, warm):
     await eng.close()
     return stats, eng.trace_counts
   stats, traces = run(go())
-  assert stats["cache_grow"] >= 1     # the workload did cross cache-length buckets
+  # The workload crossed prefill views (contexts past 32) and decoded rows of several pages.
+  assert stats["prefill_calls"] >= 2 and stats["decode_calls"] >= 20
   assert traces == {}                 # this engine traced nothing: warmup's programs served
   assert len(_COMPILES) == before_compiles
 
@@ -301,6 +305,8 @@ def test_bad_requests_and_configs_are_refused(model):
     run(go(GenerateRequest([1, 10 ** 6])))
   with pytest.raises(ValueError, match="cache_lens"):
     EngineConfig(max_len=64, cache_lens=(32, 48))
+  with pytest.raises(ValueError, match="num_pages"):
+    EngineConfig(max_len=64, page_size=16, num_pages=3)
   with pytest.raises(ValueError, match="decode_rows"):
     EngineConfig(num_slots=4, decode_rows=(2, 3))
   with pytest.raises(ValueError, match="top_p"):
@@ -373,15 +379,16 @@ def test_real_smollm2_greedy_matches_plain_model():
 
 
 def test_prefix_shared_across_slots_equals_recompute(model, warm):
-  """Contexts that start alike copy the KV of the first (cross-slot prefix sharing): the same
-  tokens and logprobs as prefilling everything, fewer tokens prefilled, nothing compiled."""
+  """Contexts that start alike share the KV pages of the first (cross-slot prefix sharing): the
+  same tokens and logprobs as prefilling everything, fewer tokens prefilled, nothing compiled.
+  The 26-token head ends inside its second page, which each sharer copies before writing."""
   rng = np.random.default_rng(8)
   head = list(map(int, rng.integers(3, 49152, size=26)))     # the "system prompt"
   ps = [head + list(map(int, rng.integers(3, 49152, size=n))) for n in (3, 7, 1, 9)]
 
   async def go(share):
     eng = EmbeddedEngine(model, **CFG, share_prefix_min=share)
-    # Four at once: the first prefills the head, the others copy its rows (waiting for its
+    # Four at once: the first prefills the head, the others share its pages (waiting for its
     # prefill if they arrive while it runs).
     res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(8))) for p in ps])
     stats = dict(eng.stats, traces=eng.trace_counts)
@@ -391,13 +398,14 @@ def test_prefix_shared_across_slots_equals_recompute(model, warm):
   for p, a, b in zip(ps, shared, plain):
     assert a.token_ids == b.token_ids == reference_greedy(model, p, 8)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
-  assert s1["prefix_copies"] == 3 and s1["prefix_copied_tokens"] == 3 * len(head)
+  assert s1["prefix_shares"] == 3 and s1["prefix_shared_tokens"] == 3 * len(head)
+  assert s1["page_copies"] == 3 and not s0.get("page_copies")   # page 1, once per sharer
   assert s0["prefill_tokens"] - s1["prefill_tokens"] == 3 * len(head)
   assert sorted(r.cached_tokens for r in shared) == [0] + [len(head)] * 3
   # Whether the later requests waited for the head's prefill or arrived after it depends on
-  # thread timing (a loaded machine admits them late); the copies above do not.
+  # thread timing (a loaded machine admits them late); the sharing above does not.
   # test_rollout_slot_table checks the wait itself, deterministically.
-  assert not s0.get("prefix_copies")
+  assert not s0.get("prefix_shares")
   assert s1["traces"] == s0["traces"] == {}
 
 
@@ -433,5 +441,35 @@ def test_prefix_of_replaced_weights_is_never_shared(model, warm):
     return new, long, stats
   new, long, stats = run(go())
   assert long.finish_reason == FinishReason.LENGTH and len(long.token_ids) == 24
-  assert new.cached_tokens == 0 and not stats.get("prefix_copies")
+  assert new.cached_tokens == 0 and not stats.get("prefix_shares")
   assert new.token_ids == reference_greedy(other, p_new, 6)
+
+
+@pytest.mark.slow
+def test_a_small_pool_preempts_and_recomputes_to_the_same_tokens(model, warm):
+  """A pool of 6 pages (96 slots) for 4 contexts of up to 48: contexts are preempted and
+  recomputed, queued ones wait for pages, and every greedy output is still the plain model's;
+  the pool returns whole afterwards. Sessions kept meanwhile are evicted to make room. (Slow:
+  a pool of another size is another shape, so its programs compile here.)"""
+  ps = prompts(6, [30, 12, 25, 9, 33, 17], seed=13)
+
+  async def go():
+    eng = EmbeddedEngine(model, **CFG, num_pages=6)
+    kept = await eng.generate(GenerateRequest(ps[5], greedy(4), session_id="kept"))
+    res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(14))) for p in ps[:5]])
+    table = eng._sched.table    # pylint: disable=protected-access
+    table.pool.check(s.pages for s in table.slots)    # every page held is a slot's, once
+    held = [len(s.pages) for s in table.slots if s.session is None]
+    stats, traces = dict(eng.stats), eng.trace_counts
+    await eng.close()
+    return kept, res, held, stats, traces
+  kept, res, held, stats, traces = run(go())
+  assert kept.token_ids == reference_greedy(model, ps[5], 4)
+  for p, r in zip(ps, res):
+    assert r.finish_reason == FinishReason.LENGTH
+    assert r.token_ids == reference_greedy(model, p, 14)
+    np.testing.assert_allclose(r.logprobs, recomputed_logprobs(model, p, r.token_ids),
+                               atol=1e-4, rtol=0)
+  assert stats["preemptions"] >= 1 and stats["evictions"] >= 1
+  assert not any(held)      # contexts that ended gave back all their pages
+  assert traces.get("prefill", 0) <= 2 and traces.get("decode", 0) <= 3   # each shape once

@@ -148,7 +148,7 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.share_prefix_min = 32    # embedded engine: copy another slot's KV for a common
                                      # prompt prefix this long (the system prompt); 0 = off
   # Any other field of the embedded engine's EngineConfig (rao_jax/rollout/engine/config.py:
-  # chunk_sizes, prefill_rows, decode_rows, cache_lens, min_cache_len, decode_steps, ...);
+  # page_size, num_pages, chunk_sizes, prefill_rows, decode_rows, cache_lens, decode_steps, ...);
   # unset fields keep EngineConfig's defaults, the one set of engine defaults.
   c.rollout.embedded = config_dict.ConfigDict()
 

@@ -8,8 +8,11 @@ Pallas splash on TPU, Pallas (Triton) flash on GPU, else XLA's blocked attention
 rows and the shared prefixes they name: which key a query sees), mkl (building, loading and choosing
 the MKL kernels of ``csrc/``), mkl_attention (the MKL attention's forward and backward), decode
 (``decode_attention``: the engine's decode step over the cache slots each row holds; a C++ FFI
-kernel on CPU, Pallas on GPU and TPU, else XLA's masked attention), decode_cpu (building and
-calling that CPU kernel, ``csrc/decode_attention.cc``; no MKL).
+kernel on CPU, Pallas on GPU and TPU, else XLA's masked attention), paged (the engine's paged
+KV cache: writes through a page table, the gathered view a prefill attends over, and
+``paged_decode_attention``, the decode step over each row's live pages by the same kernels),
+decode_cpu (building and calling that CPU kernel, ``csrc/decode_attention.cc``, which reads
+through a page table; no MKL).
 
 The CPU choice is the ``kernels`` argument ("auto" | "mkl" | "xla"), which the model passes from
 its static ``ModelConfig.kernels``: it is part of every trace's static configuration, so two
@@ -24,7 +27,7 @@ import importlib
 _EXPORTS = {
     "dense": "matmul", "causal_attention": "attention", "cached_attention": "attention",
     "MASK_VALUE": "attention", "MODES": "mkl", "CpuKernelsUnavailable": "mkl",
-    "decode_attention": "decode",
+    "decode_attention": "decode", "paged_decode_attention": "paged",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,8 +4,12 @@ only the cache slots each row holds.
 ``attend(q, k_cache, v_cache, rows_B, start_B)`` is what ``attention.cached_attention``
 computes for T new queries per row against cache rows ``rows_B`` with query t of row b seeing
 slots j <= start_b + t, in float32 or bfloat16, without touching slots past start_b + T - 1
-and without copying rows out of the cache. Plain C++ over XLA's intra-op thread pool (tasks
-are rows x kv heads): no MKL, so it builds on any CPU with a C++ compiler, AMD included.
+and without copying rows out of the cache. ``attend_paged(q, k_pages, v_pages, pages_BxW,
+start_B)`` is the same over a paged cache (the engine's: a pool of pages of P slots, row b's
+slot j in page ``pages_BxW[b, j // P]``), reading only the pages that hold live slots; the
+contiguous form is the paged one with one page of S slots per row. Plain C++ over XLA's
+intra-op thread pool (tasks are rows x kv heads): no MKL, so it builds on any CPU with a C++
+compiler, AMD included.
 
 The library is compiled once per machine on first use (``mkl.compile_library``: g++, about
 5 s) into the same cache folder as the MKL kernels. ``available(mode)`` says whether the
@@ -96,14 +100,34 @@ def attend(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, rows_B, start_B):
   Returns:
     [B, T, H, h] in q's dtype.
   """
+  # A row of S slots is one page of S slots: the paged kernel with a one-column page table.
+  rows_Bx1 = jnp.asarray(rows_B, jnp.int32)[:, None]
+  return attend_paged(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, rows_Bx1, start_B)
+
+
+def attend_paged(q_BxTxHxh, k_NxKxhxP, v_NxKxPxh, pages_BxW, start_B):
+  """``attend`` over a paged cache: row b's slot j is slot j % P of page pages_BxW[b, j // P].
+
+  Args:
+    q_BxTxHxh: queries (after RoPE), in the cache's dtype (float32 or bfloat16).
+    k_NxKxhxP, v_NxKxPxh: the pool of N pages of P slots (one layer); H a multiple of K.
+    pages_BxW: int32, each row's page table; only the entries of pages holding slots
+      [0, start_b + T) are read, and those must be in [0, N) (the kernel fails otherwise).
+    start_B: int32, slots each row held before these T queries; query t sees slots
+      [0, start_b + t] (at most W P).
+
+  Returns:
+    [B, T, H, h] in q's dtype.
+  """
   B, T, H, h = q_BxTxHxh.shape
-  N, K, h_k, S = k_NxKxhxS.shape
-  if (h_k != h or v_NxKxSxh.shape != (N, K, S, h) or H % K
-      or q_BxTxHxh.dtype != k_NxKxhxS.dtype or k_NxKxhxS.dtype != v_NxKxSxh.dtype):
+  N, K, h_k, P = k_NxKxhxP.shape
+  if (h_k != h or v_NxKxPxh.shape != (N, K, P, h) or H % K or jnp.ndim(pages_BxW) != 2
+      or jnp.shape(pages_BxW)[0] != B
+      or q_BxTxHxh.dtype != k_NxKxhxP.dtype or k_NxKxhxP.dtype != v_NxKxPxh.dtype):
     raise ValueError(f"decode_cpu.attend: q {q_BxTxHxh.shape} {q_BxTxHxh.dtype}, k "
-                     f"{k_NxKxhxS.shape} {k_NxKxhxS.dtype} and v {v_NxKxSxh.shape} "
-                     f"{v_NxKxSxh.dtype} do not fit [B, T, H, h] / [N, K, h, S] / [N, K, S, h], "
-                     "K | H, one dtype")
+                     f"{k_NxKxhxP.shape} {k_NxKxhxP.dtype}, v {v_NxKxPxh.shape} "
+                     f"{v_NxKxPxh.dtype} and pages {jnp.shape(pages_BxW)} do not fit "
+                     "[B, T, H, h] / [N, K, h, P] / [N, K, P, h] / [B, W], K | H, one dtype")
   if _registration_error() is not None:
     raise mkl.CpuKernelsUnavailable(f"decode_cpu.attend needs the CPU decode kernel, which "
                                     f"cannot be used here ({_registration_error()}); call it "
@@ -112,7 +136,7 @@ def attend(q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, rows_B, start_B):
   # The scale rounded to the dtype first, as XLA's attention multiplies by it in that dtype.
   scale = np.float32(np.asarray(h ** -0.5, q_BxTxHxh.dtype).astype(np.float32))
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-      q_BxTxHxh, k_NxKxhxS, v_NxKxSxh, jnp.asarray(rows_B, jnp.int32),
+      q_BxTxHxh, k_NxKxhxP, v_NxKxPxh, jnp.asarray(pages_BxW, jnp.int32),
       jnp.asarray(start_B, jnp.int32), scale=scale)
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rao_jax.kernels import attention, decode
+from rao_jax.kernels import attention, decode, paged
 from rao_jax.kernels.matmul import dense
 from rao_jax.model import lora as lora_lib
 from rao_jax.model.config import ModelConfig, rope_inv_freq
@@ -441,19 +441,23 @@ class CachedForward:
   cfg: ModelConfig
 
   def __call__(self, params, tokens_BxT, positions_BxT, cache: Cache, write_index_B,
-               rows_B=None):
+               rows_B=None, pages_BxW=None):
     """Writes the T new tokens' keys/values into slots [w_b, w_b + T) of cache row r_b (w =
     write_index_B, r = rows_B) and lets query i of input row b attend to slots j <= w_b + i of
-    that cache row. Rows are independent (continuous batching). Slots past S are dropped (the
-    caller keeps w_b + T <= S); tokens past a row's real length are padding whose K/V land
-    beyond the row's length, are overwritten by the next write and never read.
+    that cache row. Rows are independent (continuous batching). Slots past S are dropped;
+    tokens past a row's real length are padding whose K/V land beyond the row's length, are
+    overwritten by the next write and never read.
 
-    rows_B=None uses cache rows [0, B) (the engine decodes its first R slots this way). Given
-    rows_B (the engine's prefill of scattered slots), only the new keys and values are
-    scattered into the full cache; repeated rows must carry identical inputs. Attention reads
-    the rows it needs from the cache (``attention.cache_rows_attention``: in place on CPU); a
-    decode step (T = 1, rows [0, B)) reads only the slots each row holds
-    (``rao_jax.kernels.decode``: the platform's kernel, XLA's masked attention elsewhere).
+    rows_B=None uses cache rows [0, B). Given rows_B, only the new keys and values are
+    scattered into the full cache (repeated rows must carry identical inputs) and attention
+    reads the rows it needs (``attention.cache_rows_attention``: in place on CPU). A decode
+    step (T = 1, rows [0, B)) reads only the slots each row holds (``kernels.decode``).
+
+    Given pages_BxW (int32 [B, W]) the cache is a paged pool, ``init_cache(batch_size=N pages,
+    max_len=P slots a page)`` (the embedded engine's): row b's slot j is slot j % P of page
+    pages_BxW[b, j // P], S = W P, and a slot without a page (negative entry) is not written
+    (``kernels.paged``). Decode reads each row's live pages; a prefill chunk attends over its
+    W pages gathered. A page written must belong to its row alone.
     Jittable with the cache donated, so the writes happen in place; S is a static shape.
 
     Returns:
@@ -462,22 +466,33 @@ class CachedForward:
     cfg = self.cfg
     dt = cfg.jnp_dtype
     B, T = tokens_BxT.shape
-    S = cache["v"][0].shape[2]
+    N, _, P, _ = cache["v"][0].shape
+    is_paged = pages_BxW is not None
+    if is_paged and rows_B is not None:
+      raise ValueError("CachedForward: rows_B and pages_BxW are exclusive (a paged row is its "
+                       "page table).")
+    S = pages_BxW.shape[1] * P if is_paged else P
     start_B = jnp.asarray(write_index_B, jnp.int32)
     slots_BxT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     visible_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slots_BxT[:, :, None]
     gather = rows_B is not None
     rows_B = jnp.asarray(rows_B, jnp.int32) if gather else jnp.arange(B, dtype=jnp.int32)
-    rows_BxT = jnp.broadcast_to(rows_B[:, None], (B, T))
+    if is_paged:   # rows_BxT and slots_BxT become each slot's page and offset in its page
+      rows_BxT, offs_BxT = paged.slot_pages(jnp.asarray(pages_BxW, jnp.int32), slots_BxT, N, P)
+    else:
+      rows_BxT, offs_BxT = jnp.broadcast_to(rows_B[:, None], (B, T)), slots_BxT
     cos, sin = rope_cos_sin(cfg, positions_BxT)
     x = jnp.take(params["embed"], tokens_BxT, axis=0).astype(dt)
     ks, vs = list(cache["k"]), list(cache["v"])
     for i, p in enumerate(params["layers"]):
       q, k, v = _qkv(cfg, p, p["wqkv"], x, cos, sin)
-      # Advanced indices split by slices: the indexed block is laid out [B, T, K, h].
-      ks[i] = ks[i].at[rows_BxT, :, :, slots_BxT].set(k.astype(ks[i].dtype), mode="drop")
-      vs[i] = vs[i].at[rows_BxT, :, slots_BxT, :].set(v.astype(vs[i].dtype), mode="drop")
-      if T == 1 and not gather:
+      ks[i], vs[i] = paged.write(ks[i], vs[i], k, v, rows_BxT, offs_BxT)
+      if is_paged and T == 1:
+        attn = paged.paged_decode_attention(q, ks[i], vs[i], pages_BxW, start_B,
+                                            kernels=cfg.kernels)
+      elif is_paged:
+        attn = paged.view_attention(q, ks[i], vs[i], pages_BxW, visible_BxTxS, dt)
+      elif T == 1 and not gather:
         # The engine's decode: each row reads only the slots it holds (the platform's kernel).
         attn = decode.decode_attention(q, ks[i], vs[i], start_B, kernels=cfg.kernels)
       else:

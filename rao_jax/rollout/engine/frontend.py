@@ -8,7 +8,7 @@ loop with ``call_soon_threadsafe``.
 
 A failed step (a device error or out of memory inside a jitted call) is an infrastructure
 fault, not a reason to stop: every request the engine holds ends with ``FinishReason.ERROR``,
-the scheduler rebuilds its device state (KV cache, slot table, cache length; weights kept) and
+the scheduler rebuilds its device state (KV page pool and slot table; weights kept) and
 serves what comes next. ``EngineConfig.max_consecutive_faults`` failed steps in a row mean the
 device does not recover: the engine then stops for good and every call raises
 ``EngineFailedError``, so callers stop rather than re-submit forever.
@@ -324,36 +324,25 @@ class EmbeddedEngine(Engine):
     """Compiles every shape the scheduler can use, so no compilation happens during a run.
 
     Args:
-      max_cache_len: compile only cache buckets up to this length (the engine then never
-        grows beyond it without compiling); default all buckets.
+      max_cache_len: compile only the prefill views (``EngineConfig.cache_lens``) up to this
+        length (a longer context then compiles its view when it first meets it); default all.
       verbose: log each compilation.
 
     Returns:
       Seconds spent.
     """
     t0 = time.perf_counter()
-    with self._cv:   # the scheduler must not step while warmup reads its state
+    with self._cv:
       busy = bool(self._by_rid)
     if busy:
       raise RuntimeError("EmbeddedEngine.warmup() must run before requests are submitted.")
-    # Compiled on a thread of its own, as bare as the scheduler's: a caller's thread may carry
-    # JAX context (a mesh set by `jax.set_mesh` / `use_mesh`, copied into `asyncio.to_thread`
+    # On the scheduler thread, between two steps: the warm-up runs the programs on the
+    # engine's own page pool, so nothing else may touch the device state meanwhile (a weight
+    # update arriving is applied after it). That thread is also bare of the caller's JAX
+    # context (a mesh set by `jax.set_mesh` / `use_mesh`, copied into `asyncio.to_thread`
     # workers), which is part of every program's cache key; programs compiled under it would
     # be compiled again by the scheduler thread, inside the first step.
-    errors = []
-
-    def run():
-      try:
-        with P.counting(self._traces):
-          self._sched.warmup(max_cache_len, verbose)
-      except BaseException as e:  # pylint: disable=broad-except
-        errors.append(e)
-
-    thread = threading.Thread(target=run, name="engine-warmup", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-      raise errors[0]
+    self._control(lambda: self._sched.warmup(max_cache_len, verbose)).result()
     return time.perf_counter() - t0
 
   def score(self, token_ids: Sequence[int], *, temperature: float = 1.0,
@@ -577,7 +566,8 @@ class EmbeddedEngine(Engine):
     """Marks the engine failed: the requests it holds and every later call raise
     EngineFailedError (a caller then knows that re-submitting cannot help)."""
     msg = (f"EmbeddedEngine stopped serving: {why}. Free accelerator memory or lower "
-           "EngineConfig.num_slots / max_len, or raise EngineConfig.max_consecutive_faults.")
+           "EngineConfig.num_pages (the KV pool) / num_slots / max_len, or raise "
+           "EngineConfig.max_consecutive_faults.")
     with self._cv:
       self._failed = msg
       controls, self._controls = self._controls, []

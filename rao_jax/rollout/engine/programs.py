@@ -1,18 +1,18 @@
 """The embedded engine's device side: batch structs and pure jitted programs.
 
 Every program is a pure function of the weights (``params``), the KV cache and a struct
-dataclass of host-built arrays, jitted once per bucketed shape:
+dataclass of host-built arrays, jitted once per bucketed shape. The engine's cache is a pool of
+pages (``rao_jax.kernels.paged``); each batch carries its rows' page tables:
 
-  * ``prefill``: P rows x C prompt tokens (``PrefillBatch``) written into their cache rows;
+  * ``prefill``: P rows x C prompt tokens (``PrefillBatch``) written into their pages;
     returns each row's last-token logits;
   * ``sample``: one token per row from logits (``SamplingArrays``), a separate program so it
-    compiles once per P, not once per (P, chunk, cache length);
-  * ``decode``: ``n_steps`` tokens for the first R cache rows (``DecodeBatch``,
-    ``SamplingArrays`` and optional ``Penalties``);
-  * ``score``: next-token log-probs of one sequence in a fresh cache;
-  * ``resize``: the cache cut or zero-padded to another length bucket;
-  * ``copy_row``: one cache row's KV copied onto another (a prefix shared across slots);
-  * ``swap_rows``: two cache rows exchanged (decoding slots moved into the lowest rows).
+    compiles once per P, not once per (P, chunk, view length);
+  * ``decode``: ``n_steps`` tokens for R rows (``DecodeBatch``, ``SamplingArrays`` and
+    optional ``Penalties``);
+  * ``score``: next-token log-probs of one sequence in a fresh (contiguous) cache;
+  * ``copy_page``: one page's KV copied onto another (a context's private copy of a page it
+    shared, before it writes there).
 
 The programs are module-level, so every engine over the same model architecture shares their
 compilations. Traces are counted per engine: an engine marks its threads with
@@ -102,40 +102,44 @@ class PrefillBatch:
   """P rows of one prompt chunk of C tokens.
 
   Attributes:
-    rows_P: the cache row of each batch row. Padding rows repeat a real row exactly (row,
-      tokens, start), so the duplicate scatter writes identical values.
+    pages_PxV: each row's page table over the view it attends to (V pages, -1 past the row's
+      pages). Padding rows repeat a real row exactly (pages, tokens, start), so the duplicate
+      scatter writes identical values.
     tokens_PxC: the chunk (zeros past each row's n_valid).
     start_P: cache position of each row's first chunk token (tokens the row already holds).
     n_valid_P: real tokens of each row's chunk (>= 1).
   """
-  rows_P: Any
+  pages_PxV: Any
   tokens_PxC: Any
   start_P: Any
   n_valid_P: Any
 
   @classmethod
-  def zeros(cls, P: int, C: int) -> PrefillBatch:
+  def zeros(cls, P: int, C: int, V: int) -> PrefillBatch:
     i32 = functools.partial(np.zeros, dtype=np.int32)
-    return cls(i32(P), i32((P, C)), i32(P), np.ones(P, np.int32))
+    return cls(np.full((P, V), -1, np.int32), i32((P, C)), i32(P), np.ones(P, np.int32))
 
 
 @struct.dataclass
 class DecodeBatch:
-  """The first R cache rows, of which the active ones decode.
+  """R rows, of which the active ones decode.
 
   Attributes:
     tokens_R: each active row's last token (not yet in the cache).
     lengths_R: tokens each row holds (its next write position).
-    active_R: rows that decode; the others stay in place (they write garbage just past their
-      own length, which the next real write there overwrites and nothing reads).
+    active_R: rows that decode; the others are padding (their tables name no page: their
+      writes are dropped, their outputs discarded).
+    pages_RxW: each row's page table, W = ``EngineConfig.pages_per_row`` (-1 past its pages).
   """
   tokens_R: Any
   lengths_R: Any
   active_R: Any
+  pages_RxW: Any
 
   @classmethod
-  def zeros(cls, R: int) -> DecodeBatch:
-    return cls(np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, bool))
+  def zeros(cls, R: int, W: int) -> DecodeBatch:
+    return cls(np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, bool),
+               np.full((R, W), -1, np.int32))
 
 
 @struct.dataclass
@@ -191,34 +195,27 @@ class DeviceState:
 
   Attributes:
     params: ``model.inference_params()``, owned by the engine (copied at every weight sync).
-    cache: ``model.init_cache(num_slots, cache_len)``; donated to the programs that write it.
+    cache: the page pool, ``model.init_cache(batch_size=num_pages, max_len=page_size)``;
+      donated to the programs that write it.
   """
   params: Any
   cache: Any
 
 
 # ---- cache axes -------------------------------------------------------------------------------
-def cache_axes(model) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(batch axes, length axes) of the cache leaves, in leaf order (-1: the leaf has none),
-  found by comparing two abstract caches. A flat tuple is hashable, so the programs take it as
-  a static argument."""
+def page_axes(model) -> tuple[int, ...]:
+  """The page (batch) axis of each cache leaf, in leaf order, found by comparing two abstract
+  caches. A flat tuple is hashable, so ``copy_page`` takes it as a static argument."""
   a = jax.eval_shape(lambda: model.init_cache(batch_size=2, max_len=8))
-  b = jax.eval_shape(lambda: model.init_cache(batch_size=3, max_len=16))
-
-  def axis_where(x, y, want_x, want_y):
-    hits = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if (p, q) == (want_x, want_y)]
-    return hits[0] if hits else -1
-
-  batch_ax = [axis_where(x, y, 2, 3) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-  len_ax = [axis_where(x, y, 8, 16) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
-  if any(ax < 0 for ax in batch_ax):
-    raise ValueError("model.init_cache returned a leaf without a batch axis; the engine "
-                     "needs every cache array to have one (rows are slots).")
-  return tuple(batch_ax), tuple(len_ax)
-
-
-def _axes_tree(cache, axes: tuple[int, ...]):
-  return jax.tree.unflatten(jax.tree.structure(cache), axes)
+  b = jax.eval_shape(lambda: model.init_cache(batch_size=3, max_len=8))
+  axes = []
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    hits = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if (p, q) == (2, 3)]
+    if not hits:
+      raise ValueError("model.init_cache returned a leaf without a batch axis; the engine "
+                       "needs every cache array to have one (its pages).")
+    axes.append(hits[0])
+  return tuple(axes)
 
 
 # ---- programs ---------------------------------------------------------------------------------
@@ -226,14 +223,14 @@ def _axes_tree(cache, axes: tuple[int, ...]):
 def prefill(fns, params, cache, batch: PrefillBatch):
   """Prefills one chunk for P rows; returns the cache and each row's last-token logits.
 
-  Only the chunk's keys and values are written into the (donated) cache; gathering whole rows
-  out and scattering them back cost more than the chunk's compute at long cache lengths.
+  Only the chunk's keys and values are written into the (donated) pool, through each row's
+  page table; the attention reads the row's V pages gathered (``kernels.paged.view``).
   """
   _traced("prefill")
   C = batch.tokens_PxC.shape[1]
   positions_PxC = batch.start_P[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
   hidden_PxCxD, cache = fns(params, batch.tokens_PxC, positions_PxC, cache, batch.start_P,
-                            batch.rows_P)
+                            pages_BxW=batch.pages_PxV)
   last_PxD = jnp.take_along_axis(hidden_PxCxD, (batch.n_valid_P - 1)[:, None, None],
                                  axis=1)[:, 0]
   return cache, fns.logits(params, last_PxD[:, None])[:, 0]
@@ -252,7 +249,8 @@ def sample(logits_PxV, arrays: SamplingArrays, positions_P, penalties: Penalties
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def decode(fns, n_steps: int, params, cache, batch: DecodeBatch, arrays: SamplingArrays,
            penalties: Penalties | None = None):
-  """n_steps decode steps over the first R rows of the cache (in place: no slice, no copy).
+  """n_steps decode steps of R rows, each reading and writing its pages of the (donated) pool
+  in place (the platform's paged decode attention reads only the live ones).
 
   Returns (cache, tokens_RxN, logps_RxN). A batch with penalties compiles its own program.
   """
@@ -261,7 +259,8 @@ def decode(fns, n_steps: int, params, cache, batch: DecodeBatch, arrays: Samplin
 
   def step(carry, _):
     cache, tok_R, len_R, counts_RxV, left_R = carry
-    hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R)
+    hidden_Rx1xD, cache = fns(params, tok_R[:, None], len_R[:, None], cache, len_R,
+                              pages_BxW=batch.pages_RxW)
     logits_RxV = fns.logits(params, hidden_Rx1xD)[:, 0]
     if penalties is not None:
       logits_RxV = penalties.apply(logits_RxV, counts_RxV, left_R)
@@ -303,52 +302,18 @@ def score(fns, chunk: int, top_k: int, params, cache, tokens_1xT, temperature):
   return (lp_NxC.reshape(T), top_lp.reshape(T, top_k), top_id.reshape(T, top_k))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def resize(len_axes: tuple[int, ...], new_len: int, cache):
-  """The cache with its length axis cut or zero-padded to new_len (no donation: the shape
-  changes, so XLA could not reuse the buffer anyway)."""
-  _traced("resize")
-
-  def one(x, ax):
-    if ax < 0:
-      return x
-    old = x.shape[ax]
-    if new_len <= old:
-      return jax.lax.slice_in_dim(x, 0, new_len, axis=ax)
-    pad = [(0, 0)] * x.ndim
-    pad[ax] = (0, new_len - old)
-    return jnp.pad(x, pad)
-  return jax.tree.map(one, cache, _axes_tree(cache, len_axes))
-
-
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def copy_row(batch_axes: tuple[int, ...], cache, src, dst):
-  """The cache with row `dst` replaced by row `src` (a prefix shared across slots).
-
-  The whole row is copied: positions past the shared prefix are stale for `dst`, as after any
-  session's truncation, and are overwritten by its prefill before anything attends to them.
-  """
-  _traced("copy_row")
+def copy_page(page_axes_: tuple[int, ...], cache, src, dst):
+  """The pool with page `dst` replaced by page `src` (a context's own copy of a page it
+  shared, made before it writes into it)."""
+  _traced("copy_page")
 
   def one(x, ax):
-    row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=ax)
-    return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis=ax)
-  return jax.tree.map(one, cache, _axes_tree(cache, batch_axes))
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def swap_rows(batch_axes: tuple[int, ...], cache, a, b):
-  """The cache with rows `a` and `b` exchanged (the slot table's compaction)."""
-  _traced("swap_rows")
-
-  def one(x, ax):
-    ra = jax.lax.dynamic_slice_in_dim(x, a, 1, axis=ax)
-    rb = jax.lax.dynamic_slice_in_dim(x, b, 1, axis=ax)
-    x = jax.lax.dynamic_update_slice_in_dim(x, rb, a, axis=ax)
-    return jax.lax.dynamic_update_slice_in_dim(x, ra, b, axis=ax)
-  return jax.tree.map(one, cache, _axes_tree(cache, batch_axes))
+    page = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(x, page, dst, axis=ax)
+  return jax.tree.map(one, cache, jax.tree.unflatten(jax.tree.structure(cache), page_axes_))
 
 
 __all__ = ["DecodeBatch", "DeviceState", "Penalties", "PrefillBatch", "SamplingArrays",
-           "cache_axes", "copy_row", "counting", "decode", "penalties", "prefill", "resize",
-           "sample", "sampling_arrays", "score", "swap_rows"]
+           "copy_page", "counting", "decode", "page_axes", "penalties", "prefill", "sample",
+           "sampling_arrays", "score"]

@@ -1,10 +1,11 @@
 """One scheduler step of the embedded engine: admission, prefill, decode.
 
-The ``Scheduler`` owns the engine's state: the slot table (host), the cache-length policy
-(host) and the ``DeviceState`` (weights and KV cache). It runs on the engine's scheduler
-thread only; each ``step`` admits waiting requests (making the row copies the table asks for),
-prefills one chunk for a group of slots and decodes every decoding slot, building each batch
-as a struct dataclass for the jitted programs.
+The ``Scheduler`` owns the engine's state: the slot table (host: slots, sessions and the page
+pool's bookkeeping) and the ``DeviceState`` (weights and the KV page pool). It runs on the
+engine's scheduler thread only; each ``step`` admits waiting requests, prefills one chunk for
+a group of slots and decodes every decoding slot. Before each device call the table reserves
+the pages its writes need (and may preempt a request to find them); the page copies it asks
+for run first, then the call, its batch a struct dataclass carrying the rows' page tables.
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ import numpy as np
 from rao_jax import host_memory
 from rao_jax.rollout.base import FinishReason
 from rao_jax.rollout.engine import programs as P
-from rao_jax.rollout.engine.cache_policy import CacheLenPolicy
 from rao_jax.rollout.engine.config import EngineConfig, bucket
+from rao_jax.rollout.engine.pages import table_row
 from rao_jax.rollout.engine.slot_table import Req, Slot, SlotTable
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-  """Slot table, cache policy and device state of one engine, and its step.
+  """Slot table and device state of one engine, and its step.
 
   Args:
     config: the engine's config.
@@ -47,27 +48,25 @@ class Scheduler:
     self.vocab_size = vocab_size
     self.stats = stats
     self.table = SlotTable(config, stats)
-    self.policy = CacheLenPolicy(c.cache_lens, c.shrink_patience)
     self._finish = finish
     self._init_cache = model.init_cache
     fns = model.inference_fns()
-    batch_axes, len_axes = P.cache_axes(model)   # also checks every leaf has a batch axis
     self._prefill = functools.partial(P.prefill, fns)
     self._decode = functools.partial(P.decode, fns, c.decode_steps)
-    self._resize = {n: functools.partial(P.resize, len_axes, n) for n in c.cache_lens}
-    self._copy_row = functools.partial(P.copy_row, batch_axes)
-    self._swap_rows = functools.partial(P.swap_rows, batch_axes)
+    # Also checks that every cache leaf has a batch axis (its pages).
+    self._copy_page = functools.partial(P.copy_page, P.page_axes(model))
     self.score_fn = functools.partial(P.score, fns)
     self.state = P.DeviceState(params=params, cache=self._fresh_cache())
 
   def _fresh_cache(self):
-    return self._init_cache(batch_size=self.config.num_slots, max_len=self.policy.length)
+    """The page pool: ``init_cache`` with a page per row and a page's slots as its length."""
+    return self._init_cache(batch_size=self.config.num_pages, max_len=self.config.page_size)
 
   # ---- recovery ------------------------------------------------------------------------------
   def rebuild(self) -> None:
     """Starts the device state over after a failed device call: an empty slot table (no
-    requests, no kept sessions), the smallest cache length and a zeroed KV cache; the weights
-    are kept (no program donates them).
+    requests, no kept sessions, every page free) and a zeroed page pool; the weights are kept
+    (no program donates them).
 
     A failed call may have consumed its donated cache, or left rows half written that the
     table believes hold a context; nothing of the old cache can be trusted. Its buffers are
@@ -78,7 +77,6 @@ class Scheduler:
       if not x.is_deleted():
         x.delete()
     self.table = SlotTable(self.config, self.stats)
-    self.policy = CacheLenPolicy(self.config.cache_lens, self.config.shrink_patience)
     self.state = self.state.replace(cache=self._fresh_cache())
     jax.block_until_ready(self.state.cache)
 
@@ -93,47 +91,47 @@ class Scheduler:
   def step(self) -> bool:
     """Admits, prefills a chunk, decodes; returns whether a prefill or decode ran (its
     device results came back, so the device works)."""
-    for src, dst in self.table.admit():
-      self.state = self.state.replace(
-          cache=self._copy_row(self.state.cache, np.int32(src), np.int32(dst)))
+    self.table.admit()
     ran = False
     if self.table.prefilling():
-      self._prefill_step()
-      ran = True
+      ran = self._prefill_step()
     decoding = self.table.decoding()
     if decoding:
-      self._decode_step(decoding)
-      ran = True
+      ran = self._decode_step(decoding) or ran
     return ran
 
-  def _ensure_cache_len(self, needed: int, allow_shrink: bool) -> None:
-    old = self.policy.length
-    new = self.policy.plan(needed, allow_shrink)
-    if new is not None:
-      self.state = self.state.replace(cache=self._resize[new](self.state.cache))
-      self.stats["cache_grow" if new > old else "cache_shrink"] += 1
-      # The old cache is free once the resize ran: give its pages back (host_memory says why).
-      # Only where freed memory is kept (CPU): elsewhere this would be a needless device sync.
-      if host_memory.in_effect():
-        jax.block_until_ready(self.state.cache)
-        host_memory.release_free_memory()
+  def _reserve(self, slots: list[Slot], ends: list[int]) -> list[Slot]:
+    """Reserves each slot's pages up to its end (oldest request first: a preemption takes the
+    youngest running request, so a slot served earlier is never taken back), makes the page
+    copies that asks for, and returns the slots whose requests still hold them."""
+    # A slot may lose its request to an earlier slot's reservation (a younger request is
+    # preempted before an older one's) or to its own; one served is never taken back.
+    kept = [s for s, end in zip(slots, ends) if s.req is not None and self.table.reserve(s, end)]
+    for src, dst in self.table.take_copies():
+      self.state = self.state.replace(
+          cache=self._copy_page(self.state.cache, np.int32(src), np.int32(dst)))
+    return kept
 
-  def _prefill_step(self) -> None:
+  def _prefill_step(self) -> bool:
     c = self.config
     t0 = time.perf_counter()
     C, group = self.table.prefill_group()
+    group = self._reserve(group, [len(s.tokens) + min(C, len(s.req.context) - len(s.tokens))
+                                  for s in group])
+    if not group:
+      return False
     rows = bucket(c.prefill_rows, len(group))
-    self._ensure_cache_len(max(max(len(s.tokens) + C for s in group), self.table.held_need()),
-                           allow_shrink=False)
-    batch = P.PrefillBatch.zeros(rows, C)
+    V = c.view_pages(max(len(s.tokens) + C for s in group))
+    batch = P.PrefillBatch.zeros(rows, C, V)
     pieces = []
     for i in range(rows):
       s = group[min(i, len(group) - 1)]    # padding rows repeat the last real row exactly
       a = len(s.tokens)
-      piece = s.req.prompt[a:a + C]
+      piece = s.req.context[a:a + C]
       if i < len(group):
         pieces.append(piece)
-      batch.rows_P[i], batch.start_P[i], batch.n_valid_P[i] = s.index, a, len(piece)
+      batch.pages_PxV[i] = table_row(s.pages, V)
+      batch.start_P[i], batch.n_valid_P[i] = a, len(piece)
       batch.tokens_PxC[i, :len(piece)] = piece
     arrays = P.sampling_arrays(rows, [(i, s.req.params, s.req.seed) for i, s in enumerate(group)])
     cache, logits_PxV = self._prefill(self.state.params, self.state.cache, batch)
@@ -151,26 +149,30 @@ class Scheduler:
     self.stats["prefill_s"] += time.perf_counter() - t0
     index = {s.index: i for i, s in enumerate(group)}
     for s in self.table.prefilled(group, pieces):
+      if s.req.out:    # back from a preemption: it already has its next input, out[-1]
+        continue
       i = index[s.index]
       self.accept(s.req, int(tok_P[i]), float(logp_P[i]))
+    return True
 
-  def _decode_step(self, decoding: list[Slot]) -> None:
+  def _decode_step(self, decoding: list[Slot]) -> bool:
     c = self.config
     t0 = time.perf_counter()
-    for a, b in self.table.compaction():   # rows follow the active requests, not the highest
-      self.state = self.state.replace(
-          cache=self._swap_rows(self.state.cache, np.int32(a), np.int32(b)))
-    R = bucket(c.decode_rows, max(s.index for s in decoding) + 1)
-    self._ensure_cache_len(self.table.held_need(), allow_shrink=True)
-    batch = P.DecodeBatch.zeros(R)
-    for s in self.table.slots[:R]:
-      batch.lengths_R[s.index] = len(s.tokens)
-    for s in decoding:
-      batch.tokens_R[s.index], batch.active_R[s.index] = s.req.out[-1], True
-    arrays = P.sampling_arrays(R, [(s.index, s.req.params, s.req.seed) for s in decoding])
+    decoding = sorted(decoding, key=lambda s: s.req.seq)
+    decoding = self._reserve(decoding, [len(s.tokens) + c.decode_steps for s in decoding])
+    if not decoding:
+      return False
+    R = bucket(c.decode_rows, len(decoding))
+    batch = P.DecodeBatch.zeros(R, c.pages_per_row)
+    for i, s in enumerate(decoding):
+      batch.tokens_R[i], batch.lengths_R[i], batch.active_R[i] = (s.req.out[-1], len(s.tokens),
+                                                                  True)
+      batch.pages_RxW[i] = table_row(s.pages, c.pages_per_row)
+    arrays = P.sampling_arrays(R, [(i, s.req.params, s.req.seed)
+                                   for i, s in enumerate(decoding)])
     penalties = P.penalties(R, self.vocab_size,
-                            [(s.index, s.req.params, s.req.out, s.req.stop_ids)
-                             for s in decoding])
+                            [(i, s.req.params, s.req.out, s.req.stop_ids)
+                             for i, s in enumerate(decoding)])
     cache, toks_RxN, logps_RxN = self._decode(self.state.params, self.state.cache, batch,
                                               arrays, penalties)
     self.state = self.state.replace(cache=cache)
@@ -184,14 +186,15 @@ class Scheduler:
     self.stats["decode_active"] += len(decoding)
     self.stats[f"decode_calls_active_{len(decoding)}"] += 1
     now = time.monotonic()
-    for s in decoding:
+    for i, s in enumerate(decoding):
       r = s.req
       for n in range(c.decode_steps):
         s.tokens.append(r.out[-1])      # the token just fed now has its KV in the cache
-        if self.accept(r, int(toks_RxN[s.index, n]), float(logps_RxN[s.index, n])):
+        if self.accept(r, int(toks_RxN[i, n]), float(logps_RxN[i, n])):
           break
       s.last_used = now
     self.stats["decode_s"] += time.perf_counter() - t0
+    return True
 
   def accept(self, r: Req, token: int, logp: float) -> bool:
     """Records one sampled token; finishes the request when a limit is hit."""
@@ -211,38 +214,48 @@ class Scheduler:
 
   # ---- compilation ahead of time -------------------------------------------------------------
   def warmup(self, max_cache_len: int | None = None, verbose: bool = False) -> None:
-    """Compiles every shape ``step`` can use (on scratch caches; the engine's is untouched)."""
+    """Compiles every shape ``step`` can use: decode per row bucket, prefill per (rows, chunk,
+    view), on the engine's own pool with tables that name no page (every write is dropped,
+    so the pool is unchanged; a second pool could not fit where the first fills the device).
+
+    Args:
+      max_cache_len: compile only the prefill views up to this length.
+      verbose: log each compilation.
+    """
     c = self.config
     params = self.state.params
     lens = [n for n in c.cache_lens if max_cache_len is None or n <= max_cache_len]
-    for S in lens:
-      cache = self._init_cache(batch_size=c.num_slots, max_len=S)
+    views = sorted({c.view_pages(n) for n in lens})
+    try:
       for R in c.decode_rows:
         # Called as the steps call them: penalties passed (None), since jit keys on the
         # arguments' structure and an omitted argument is another program.
-        cache, _, _ = self._decode(params, cache, P.DecodeBatch.zeros(R), P.sampling_arrays(R),
+        cache, _, _ = self._decode(params, self.state.cache,
+                                   P.DecodeBatch.zeros(R, c.pages_per_row), P.sampling_arrays(R),
                                    None)
+        self.state = self.state.replace(cache=cache)
         if verbose:
-          log.info("warmup decode S=%d R=%d", S, R)
+          log.info("warmup decode R=%d", R)
       for rows in c.prefill_rows:
-        for C in c.chunk_sizes:
-          if C > S and C != c.chunk_sizes[0]:
-            continue   # the scheduler grows the cache before pairing it with a larger chunk
-          batch = P.PrefillBatch.zeros(rows, C)
-          cache, logits = self._prefill(params, cache, batch)
-          if S == lens[0] and C == c.chunk_sizes[0]:
-            P.sample(logits, P.sampling_arrays(rows), batch.start_P + batch.n_valid_P, None)
-      for S2 in lens:
-        if S2 != S:
-          jax.block_until_ready(
-              self._resize[S2](self._init_cache(batch_size=c.num_slots, max_len=S)))
-          host_memory.release_free_memory()
-      if c.share_prefix_min:
-        cache = self._copy_row(cache, np.int32(0), np.int32(0))
-      cache = self._swap_rows(cache, np.int32(0), np.int32(0))
-      jax.block_until_ready(cache)
-      del cache
-      host_memory.release_free_memory()
+        for V in views:
+          for C in c.chunk_sizes:
+            if C > V * c.page_size:
+              continue   # the view covers the chunk: the scheduler never pairs them
+            batch = P.PrefillBatch.zeros(rows, C, V)
+            cache, logits = self._prefill(params, self.state.cache, batch)
+            self.state = self.state.replace(cache=cache)
+            if V == views[0] and C == c.chunk_sizes[0]:
+              P.sample(logits, P.sampling_arrays(rows), batch.start_P + batch.n_valid_P, None)
+            if verbose:
+              log.info("warmup prefill rows=%d C=%d view=%d pages", rows, C, V)
+      self.state = self.state.replace(
+          cache=self._copy_page(self.state.cache, np.int32(0), np.int32(0)))
+      jax.block_until_ready(self.state.cache)
+    except BaseException:
+      # A failed call may have consumed the donated pool: start the device state over.
+      self.rebuild()
+      raise
+    host_memory.release_free_memory()
 
 
 __all__ = ["Scheduler"]
