@@ -32,6 +32,7 @@ LAYERS = [
     ["rao_jax.envs"],                         # tasks, verifiers, judges (a judge generates)
     ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
     ["rao_jax.metrics", "rao_jax.hooks"],     # metrics files, plots, tree pages; loop hooks
+    ["rao_jax.run_parts"],                    # the typed parts of a run: settings and specs
     ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
     ["rao_jax.collection"],                   # a step's trees under the fault rules, progress
     ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
@@ -153,6 +154,7 @@ def test_the_check_catches_an_upward_import_local_or_not(tmp_path):
 @pytest.mark.parametrize("module", ["rao_jax.rollout.base", "rao_jax.rollout", "rao_jax.learner",
                                     "rao_jax.model", "rao_jax.kernels", "rao_jax.agent.runner",
                                     "rao_jax.envs.registry", "rao_jax.experiment",
+                                    "rao_jax.run_parts",
                                     "rao_jax.rollout.serve.schema",
                                     "rao_jax.rollout.serve.openai_schema"])
 def test_light_modules_do_not_load_jax(module):
@@ -165,3 +167,4 @@ def test_light_modules_do_not_load_jax(module):
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, check=True).stdout.strip()
   assert out == "", f"import {module} loaded {out}"
+
