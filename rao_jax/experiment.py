@@ -524,6 +524,9 @@ def assemble(config, workdir: str) -> RunParts:
   starts). Loads the policy's weights; starts no engine, sandbox or learner.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from rao_jax import host_memory  # pylint: disable=g-import-not-at-top
+  # Before anything starts JAX's backends (jax.process_count below does), as load_policy asks.
+  host_memory.keep_freed_memory()
   rl = rl_config(config)
   rl.check_processes(jax.process_count())
   workdir = os.path.abspath(workdir)

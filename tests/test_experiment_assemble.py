@@ -3,10 +3,16 @@ Trainer takes (tasks, task weights, policy and tokenizer, learner config, mesh, 
 initial weights, rollout specs). A bad value fails there, before the policy loads; the parts of
 a real assembly are checked in tests/test_trainer.py, beside the tiny model it builds.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 
 from rao_jax import experiment as X
 from tests.test_trainer import _config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -20,3 +26,25 @@ def test_a_bad_value_fails_at_assembly_before_the_policy_loads(tmp_path, key, va
   c[section][field] = value
   with pytest.raises(ValueError, match=match):
     X.assemble(c, str(tmp_path / "run"))
+
+
+def test_assemble_sets_malloc_before_jax_starts_its_backends(tmp_path):
+  # host_memory.keep_freed_memory must run before JAX's threads exist; assemble's first query
+  # of the processes starts them. A fresh process, since this one's backends have started.
+  code = """
+import sys
+from jax._src import xla_bridge
+from rao_jax import experiment as X, host_memory
+from tests.test_trainer import _config
+seen = []
+host_memory.keep_freed_memory = lambda: seen.append(xla_bridge.backends_are_initialized())
+c = _config('unused')
+c.eval.split = 'val'   # fails once the tasks are built, before the policy loads
+try:
+  X.assemble(c, sys.argv[1])
+except ValueError:
+  print('started before:', seen)
+"""
+  out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.stdout.strip() == "started before: [False]", out.stdout + out.stderr[-2000:]
