@@ -222,11 +222,11 @@ def _breakage(name: str):
 def run_seed(task: str, seed: int, variants: list[str], workdir: str, steps: int) -> None:
   """Every variant of one (task, seed), in this process, skipping finished runs."""
   import importlib
-  from rao_jax import experiment as X
+  from rao_jax import run_parts
   from rao_jax import trainer
   from rao_jax.agent import local_exec
   # The cells are fixed one-token strings (see the module doc): the in-process REPL runs them.
-  X.sandbox_pool = lambda config: local_exec.LocalReplPool()
+  run_parts.RunParts.sandbox_pool = lambda self: local_exec.LocalReplPool()
   cfg_lib = importlib.import_module(TASKS[task][0])
   base = os.path.join(workdir, task, f"seed{seed}")
   if not variants and task in SHARED_WARM_START:

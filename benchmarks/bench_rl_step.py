@@ -153,6 +153,7 @@ def warm_start(root: str, s: dict) -> str:
 
 
 def make_trainer_class():
+  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
   from rao_jax import trainer  # pylint: disable=g-import-not-at-top
   from rao_jax.agent import records as R  # pylint: disable=g-import-not-at-top
 
@@ -162,7 +163,7 @@ def make_trainer_class():
     def __init__(self, config, workdir, clock: CompileClock):
       self.clock, self.steps, self.last_batch = clock, [], None
       t0 = time.perf_counter()
-      super().__init__(config, workdir)
+      super().__init__(X.assemble(config, workdir))
       self.init_s = time.perf_counter() - t0
 
     async def rl_step(self, runner, state, guard=None):

@@ -714,6 +714,8 @@ def gen_config_md() -> str:
 # (module file, object names): the entry points a user calls from Python.
 API = [
     ("rao_jax/trainer.py", ["train", "Trainer"]),
+    ("rao_jax/experiment.py", ["assemble"]),
+    ("rao_jax/run_parts.py", ["RunParts"]),
     ("rao_jax/sft.py", ["run_sft"]),
     ("rao_jax/evaluation.py", ["evaluate_checkpoint", "evaluate_model"]),
     ("rao_jax/model/weights.py", ["load_pretrained", "export_hf"]),

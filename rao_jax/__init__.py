@@ -7,6 +7,8 @@ One policy, instantiated at every node of an execution tree that it grows itself
 Package map (dependencies point downwards only):
 
     trainer          the RL loop: tasks -> trees -> rewards -> learner step -> sync -> eval -> ckpt
+    experiment       a config -> the typed parts of a run, once (``assemble``, for the trainer)
+    run_parts        those parts: RunParts, RLConfig, engine and judge specs, initial weights
     collection       a step's rollouts: K trees per task under the fault rules, progress, the
                      exchange of trees between processes
     agent/           tree runner, node loop, prompts, code extraction, tree records, HTML view

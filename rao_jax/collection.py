@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rao_jax.agent import records as R
-from rao_jax.experiment import DEADLINE_RULES
+from rao_jax.run_parts import DEADLINE_RULES
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 The loose ConfigDict of `experiments/configs/` is turned into each module's frozen, validated
 dataclass here and nowhere else, so an entry point (train, evaluate, sft, demo) builds the same
-environment, engine, sandbox pool, runner and learner from the same config.
+environment, engine, sandbox pool, runner and learner from the same config. A training run is
+assembled in one call, `assemble(config, workdir)`: its parts (`run_parts.RunParts`) are all
+that `trainer.Trainer` reads.
 """
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from rao_jax import run_parts
 from rao_jax.agent import runner as runner_lib
 from rao_jax.envs import base as env_base
 from rao_jax.envs import registry
+# The typed parts this module makes, under the names its callers have used (X.RLConfig, ...).
+from rao_jax.run_parts import (DEADLINE_RULES, JUDGES, RATIO_LOSSES, EngineSpec,  # noqa: F401
+                               InitialWeights, JudgeSpec, RLConfig, RunParts,
+                               parse_task_weights)
 
 log = logging.getLogger(__name__)
 
@@ -118,41 +124,20 @@ def evaluation_sets(env: env_base.Environment, config) -> list[tuple[str, list[e
   return [(diff, eval_tasks(env, diff, n)) for diff in config.env.eval_difficulties]
 
 
-def train_tasks_for_step(tasks: Sequence[env_base.Task], step: int, n: int,
-                         seed: int, weights: str = "") -> list[env_base.Task]:
+def train_tasks_for_step(tasks: Sequence[env_base.Task], step: int, n: int, seed: int,
+                         weights: str | np.ndarray | None = "") -> list[env_base.Task]:
   """The root tasks of RL step `step`: a pure function of (seed, step), so a resumed run
   draws exactly the tasks the uninterrupted run would have (the data position is the step).
-  `weights` (`parse_task_weights`) makes some tasks likelier; drawn without replacement."""
+  `weights` makes some tasks likelier: a rule (`parse_task_weights`) or each task's weight
+  (`task_weights`' result); drawn without replacement."""
   rng = np.random.default_rng([seed, step])
   p = None
-  if weights:
-    w = task_weights(tasks, weights)
+  if weights is not None and len(weights):
+    w = task_weights(tasks, weights) if isinstance(weights, str) else np.asarray(weights, float)
     p = w / w.sum()
     n = min(n, int((w > 0).sum()))
   idx = rng.choice(len(tasks), size=min(n, len(tasks)), replace=False, p=p)
   return [tasks[i] for i in idx]
-
-
-def parse_task_weights(spec: str) -> list[tuple[str, str, float]]:
-  """`"FIELD:VALUE=WEIGHT,..."` -> [(field, value, weight)].
-
-  A task whose `fields[FIELD]` equals VALUE (compared as text; for a mapping or a list, its
-  number of entries) weighs WEIGHT; a task no rule matches weighs 1. E.g.
-  `"target_items:2=3"`: TextCraft tasks with two target items are drawn three times as often.
-  """
-  rules = []
-  for part in filter(None, (x.strip() for x in spec.split(","))):
-    head, eq, weight = part.rpartition("=")
-    field, colon, value = head.partition(":")
-    try:
-      w = float(weight)
-    except ValueError:
-      w = -1.0
-    if not (eq and colon and field and value) or not w >= 0:
-      raise ValueError(f"config.rl.task_weights={spec!r}: {part!r} is not FIELD:VALUE=WEIGHT "
-                       "with WEIGHT >= 0, e.g. 'target_items:2=3'.")
-    rules.append((field, value, w))
-  return rules
 
 
 def task_weights(tasks: Sequence[env_base.Task], spec: str) -> np.ndarray:
@@ -204,11 +189,16 @@ def runner_config(config, *, recursive: bool | None = None, greedy: bool = False
       stop_at_cell_close=bool(a.stop_at_cell_close))
 
 
+def sandbox_config(config):
+  """Each sandbox's `SandboxConfig` of `config.sandbox` (a pool keeps `pool_size` started)."""
+  from rao_jax.sandbox_host import SandboxConfig  # pylint: disable=g-import-not-at-top
+  return SandboxConfig(isolation=config.sandbox.isolation,
+                       cell_timeout_s=float(config.sandbox.cell_timeout_s))
+
+
 def sandbox_pool(config):
-  from rao_jax.sandbox_host import SandboxConfig, SandboxPool  # pylint: disable=g-import-not-at-top
-  cfg = SandboxConfig(isolation=config.sandbox.isolation,
-                      cell_timeout_s=float(config.sandbox.cell_timeout_s))
-  return SandboxPool(cfg, size=int(config.sandbox.pool_size))
+  from rao_jax.sandbox_host import SandboxPool  # pylint: disable=g-import-not-at-top
+  return SandboxPool(sandbox_config(config), size=int(config.sandbox.pool_size))
 
 
 # -- model, engine, learner ----------------------------------------------------------------------
@@ -267,22 +257,19 @@ def use_compile_cache(config) -> str | None:
 def warm_engine(config, engine) -> float:
   """Compiles the embedded engine's shapes up to the run's cache length before any request
   (`config.warmup`); seconds spent (0 for engines that compile elsewhere, e.g. SGLang)."""
-  if not (config.get("warmup", True) and hasattr(engine, "warmup")):
+  if not config.get("warmup", True):
     return 0.0
-  t0 = time.perf_counter()
-  engine.warmup(max_cache_len=int(config.rollout.max_cache_len))
-  s = time.perf_counter() - t0
-  log.info("engine warm-up: every rollout shape compiled (or loaded from the compilation "
-           "cache) in %.1f s", s)
-  return s
+  return run_parts.warm_up(engine, int(config.rollout.max_cache_len))
 
 
-def load_policy(config):
+def load_policy(config, mesh=None):
   """(model, tokenizer) of `config.model.name` (registry name, GGUF file or HF folder).
 
   Mixed precision: the weights load in float32 (the learner's master weights; it keeps AdamW's
   moments in float32 too) and the model computes in `config.model.dtype` ("auto": bfloat16 on
-  GPU/TPU). The rollout engine takes its own copies in the compute dtype.
+  GPU/TPU). The rollout engine takes its own copies in the compute dtype. `mesh`: the
+  learner's (`make_mesh(config.learner.mesh)`, made here when None), which
+  `config.model.remat="auto"` plans for.
   """
   from rao_jax import host_memory  # pylint: disable=g-import-not-at-top
   # The first call that starts JAX's backends in every entry point: malloc is set before it,
@@ -311,7 +298,7 @@ def load_policy(config):
   lora_lib.add_adapters(model, lora)
   if remat == "auto":
     # The model's shapes are known now; remat is read when the step is traced, later.
-    model.cfg = dataclasses.replace(model.cfg, remat=planned_remat(config, model.cfg))
+    model.cfg = dataclasses.replace(model.cfg, remat=planned_remat(config, model.cfg, mesh))
   return model, tokenizer
 
 
@@ -323,19 +310,14 @@ def lora_section(config) -> dict | None:
   return section.to_dict() if hasattr(section, "to_dict") else dict(section)
 
 
-def planned_remat(config, model_cfg) -> str:
+def planned_remat(config, model_cfg, mesh=None) -> str:
   """The learner's remat for ``config.model.remat="auto"``: the least recomputation whose
   step fits this device's memory (``rao_jax.learner.memory``), for the run's row length and
-  micro-batch rows per device."""
-  import jax  # pylint: disable=g-import-not-at-top
+  micro-batch rows per device of `mesh` (default: ``make_mesh(config.learner.mesh)``)."""
   from rao_jax.learner import memory  # pylint: disable=g-import-not-at-top
-  spec = str(config.learner.mesh)
-  if spec == "auto":
-    mesh_rows, shards, tensor = jax.device_count(), 1, 1
-  else:
-    mesh = make_mesh(spec)
-    mesh_rows = mesh.shape["data"] * mesh.shape["fsdp"]
-    shards, tensor = mesh.shape["fsdp"] * mesh.shape["tensor"], mesh.shape["tensor"]
+  mesh = make_mesh(str(config.learner.mesh)) if mesh is None else mesh
+  mesh_rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  shards, tensor = mesh.shape["fsdp"] * mesh.shape["tensor"], mesh.shape["tensor"]
   micro = max(int(config.learner.micro_batch_rows), 1)
   rows = -(-micro // mesh_rows)
   return memory.plan_remat(model_cfg, _row_len(config), rows, shards=shards, tensor=tensor)
@@ -357,15 +339,6 @@ def make_mesh(spec: str):
   return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])
 
 
-def _mesh_rows(spec: str) -> int:
-  """How many devices hold different rows of a micro-batch (data x fsdp) under mesh `spec`."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if spec == "auto":
-    return jax.device_count()
-  mesh = make_mesh(spec)
-  return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def _row_len(config) -> int:
   row = int(config.learner.row_len) or int(config.agent.context_window)
   if row < int(config.agent.context_window):
@@ -376,9 +349,13 @@ def _row_len(config) -> int:
   return row
 
 
-def learner_config(config, workdir: str, *, sft: bool = False):
+def learner_config(config, workdir: str, *, sft: bool = False, mesh=None):
+  """The learner's `LearnerConfig` (RL, or supervised with `sft`), checkpoints under
+  `workdir`; micro-batches of whole rows per device of `mesh` (default:
+  ``make_mesh(config.learner.mesh)``)."""
   from rao_jax.learner import LearnerConfig  # pylint: disable=g-import-not-at-top
-  mesh_rows = _mesh_rows(config.learner.mesh)
+  mesh = make_mesh(str(config.learner.mesh)) if mesh is None else mesh
+  mesh_rows = mesh.shape["data"] * mesh.shape["fsdp"]   # devices holding different rows
   micro = max(int(config.learner.micro_batch_rows), 1)
   micro = -(-micro // mesh_rows) * mesh_rows   # every device holds whole rows
   # Row-count buckets 4x apart: the step skips micro-batches of padding rows (no forward, no
@@ -420,95 +397,7 @@ def learner_config(config, workdir: str, *, sft: bool = False):
       ckpt_keep=int(config.ckpt.keep))
 
 
-# -- the RL loop ---------------------------------------------------------------------------------
-
-DEADLINE_RULES = ("unfinished", "drop_group")
-RATIO_LOSSES = ("ppo_clip", "cispo")   # the losses that correct one-step-stale samples
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-  """What the RL loop (`rao_jax.trainer`) reads of `config.rl` and `config.total_steps`.
-
-  The learner's part of `config.rl` (loss coefficients, advantages) is `learner_config`'s.
-  Errors name the config key, its value and the fix.
-
-  Attributes:
-    total_steps: RL steps of the run (one learner update each).
-    group_size: K trees per task; the leave-one-out baseline needs K >= 2.
-    tasks_per_step: root tasks per step.
-    loss: the learner's loss (overlap needs one with an importance ratio).
-    overlap: roll out step s+1 on the weights of step s while step s trains.
-    max_staleness: weight versions a sample may lag before its batch is re-collected.
-    max_nonfinite_steps: non-finite updates in a row (each skipped) that stop the run.
-    infra_retries: re-runs of a tree whose engine or sandbox failed.
-    rollout_deadline_s: seconds per step's rollouts before trees are cut; 0 = no deadline.
-    deadline_rule: cut trees are scored as they stand ("unfinished") or drop their group
-      ("drop_group").
-    update_without_signal: False (default): a step whose batch has no node with w_d * A != 0
-      applies no optimizer update (Adam would move every weight by about lr on any gradient);
-      True: it still steps when nodes are packed (a KL term alone; tests that exercise the
-      learner on a policy too weak to succeed).
-    task_weights: "" (uniform) or "FIELD:VALUE=WEIGHT,...": train tasks some rule matches are
-      drawn WEIGHT times as often (`parse_task_weights`), e.g. to weight a task mix towards
-      the tasks the policy still fails.
-  """
-  total_steps: int
-  group_size: int = 8
-  tasks_per_step: int = 4
-  loss: str = "rao"
-  overlap: bool = False
-  max_staleness: int = 1
-  max_nonfinite_steps: int = 3
-  infra_retries: int = 1
-  rollout_deadline_s: float = 0.0
-  deadline_rule: str = "unfinished"
-  task_weights: str = ""
-  update_without_signal: bool = False
-
-  def __post_init__(self):
-    def key(name):
-      return "config.total_steps" if name == "total_steps" else f"config.rl.{name}"
-    for name, low in (("total_steps", 0), ("group_size", 2), ("tasks_per_step", 1),
-                      ("max_staleness", 0), ("max_nonfinite_steps", 1), ("infra_retries", 0)):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise ValueError(f"{key(name)}={value!r} must be an integer >= {low}.")
-      object.__setattr__(self, name, int(value))
-    if self.group_size < 2:
-      raise ValueError(f"config.rl.group_size={self.group_size}: the leave-one-out baseline "
-                       "needs K >= 2 trees per task; set --config.rl.group_size=2 or more.")
-    for name, low, why in (
-        ("total_steps", 0, "RL steps of the run"),
-        ("tasks_per_step", 1, "root tasks per step"),
-        ("max_staleness", 0, "weight versions a sample may lag"),
-        ("max_nonfinite_steps", 1, "non-finite updates in a row that stop the run"),
-        ("infra_retries", 0, "re-runs of a tree whose infrastructure failed")):
-      if getattr(self, name) < low:
-        raise ValueError(f"{key(name)}={getattr(self, name)}: must be >= {low} ({why}).")
-    if not isinstance(self.overlap, (bool, np.bool_)):
-      raise ValueError(f"config.rl.overlap={self.overlap!r}: use True or False.")
-    object.__setattr__(self, "overlap", bool(self.overlap))
-    if self.overlap and self.loss not in RATIO_LOSSES:
-      raise ValueError(
-          f"config.rl.overlap=True samples one step off-policy; config.rl.loss={self.loss!r} "
-          "has no importance ratio. Use --config.rl.loss=ppo_clip or cispo.")
-    if isinstance(self.rollout_deadline_s, bool) or not isinstance(
-        self.rollout_deadline_s, (int, float, np.integer, np.floating)) \
-        or not self.rollout_deadline_s >= 0:
-      raise ValueError(f"config.rl.rollout_deadline_s={self.rollout_deadline_s!r}: use a number "
-                       "of seconds > 0, or 0 for no deadline.")
-    object.__setattr__(self, "rollout_deadline_s", float(self.rollout_deadline_s))
-    if self.deadline_rule not in DEADLINE_RULES:
-      raise ValueError(f"config.rl.deadline_rule={self.deadline_rule!r}: use one of "
-                       f"{DEADLINE_RULES}.")
-    parse_task_weights(self.task_weights)
-
-  @property
-  def deadline_s(self) -> float | None:
-    """Seconds per step's rollouts, None for no deadline."""
-    return self.rollout_deadline_s if self.rollout_deadline_s > 0 else None
-
+# -- the RL loop and its rollouts --------------------------------------------------------------
 
 def rl_config(config) -> RLConfig:
   """The RL loop's typed settings from `config.rl` and `config.total_steps`."""
@@ -558,36 +447,39 @@ def rollout_api_key(config) -> str | None:
   return api_key_from_env(str(name))
 
 
+def engine_spec(config, export_dir: str | None = None) -> EngineSpec:
+  """The `EngineSpec` of `config.rollout.engine`; an SGLang client writes the checkpoints of
+  `update_weights` under `export_dir` (a folder its servers can read)."""
+  kind = config.rollout.engine
+  max_cache_len = int(config.rollout.get("max_cache_len", 0) or 0)
+  if kind == "embedded":
+    return EngineSpec(kind, embedded=engine_config(config), max_cache_len=max_cache_len)
+  if kind != "sglang":
+    return EngineSpec(kind)   # its check names the choices
+  urls = tuple(config.rollout.urls)
+  if not urls:
+    raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
+                     "http://host:30000[,http://host2:30000].")
+  # Configs saved before these settings existed keep the client's defaults.
+  timing = {}
+  for name in ("retry_timeout", "health_interval"):
+    v = config.rollout.get(name, None)
+    if v is None:
+      continue
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+      raise ValueError(f"config.rollout.{name}={v!r}: give a number of seconds > 0, e.g. "
+                       f"--config.rollout.{name}=" + ("120" if name == "retry_timeout"
+                                                      else "1") + ".")
+    timing[name] = float(v)
+  return EngineSpec(kind, urls=urls, api_key=rollout_api_key(config), export_dir=export_dir,
+                    max_cache_len=max_cache_len, **timing)
+
+
 def make_engine(config, model, tokenizer, *, weight_version: int | str = 0,
                 export_dir: str | None = None):
-  """The rollout engine of `config.rollout.engine`, serving `model`'s current weights as
-  `weight_version`; an SGLang client writes the checkpoints of `update_weights` under
-  `export_dir` (a folder its servers can read)."""
-  kind = config.rollout.engine
-  if kind == "embedded":
-    from rao_jax.rollout.engine import EmbeddedEngine  # pylint: disable=g-import-not-at-top
-    return EmbeddedEngine(model, engine_config(config), weight_version=weight_version,
-                          tokenizer=tokenizer)
-  if kind == "sglang":
-    from rao_jax.rollout.sglang_client import SGLangEngine  # pylint: disable=g-import-not-at-top
-    urls = list(config.rollout.urls)
-    if not urls:
-      raise ValueError("config.rollout.engine='sglang' needs --config.rollout.urls="
-                       "http://host:30000[,http://host2:30000].")
-    # Configs saved before these settings existed keep the client's defaults.
-    timing = {}
-    for name in ("retry_timeout", "health_interval"):
-      v = config.rollout.get(name, None)
-      if v is None:
-        continue
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"config.rollout.{name}={v!r}: give a number of seconds > 0, e.g. "
-                         f"--config.rollout.{name}=" + ("120" if name == "retry_timeout"
-                                                        else "1") + ".")
-      timing[name] = float(v)
-    return SGLangEngine(urls, weight_version=weight_version, export_root=export_dir,
-                        tokenizer=tokenizer, api_key=rollout_api_key(config), **timing)
-  raise ValueError(f"config.rollout.engine={kind!r}: use 'embedded' or 'sglang'.")
+  """The rollout engine of `config.rollout.engine` (`engine_spec`), serving `model`'s current
+  weights as `weight_version`."""
+  return engine_spec(config, export_dir).build(model, tokenizer, weight_version=weight_version)
 
 
 def make_runner(config, env, engine, tokenizer, repls, judge=None,
@@ -596,30 +488,81 @@ def make_runner(config, env, engine, tokenizer, repls, judge=None,
                                judge=judge)
 
 
-JUDGES = ("none", "rule", "model")
-
-
-def make_judge(config, phase: str, engine, tokenizer):
-  """The judge of `config.judge.train` / `config.judge.eval` (phase "train" / "eval").
-
-  "none": nodes no verifier scores take the root's success (the proxy); "rule":
-  `judge.RuleJudge` (finished with a non-empty answer); "model": `judge.LLMJudge` on the
-  policy's own engine, or on the endpoint `config.judge.url` (`config.judge.api`). The source
-  of every success is kept in the tree records (`success_source`, `extras["judge"]`).
-  """
+def judge_spec(config, phase: str) -> JudgeSpec:
+  """The judge of `config.judge.train` / `config.judge.eval` (phase "train" / "eval"); "model"
+  judges on the policy's own engine, or on the endpoint `config.judge.url`
+  (`config.judge.api`). The source of every success is kept in the tree records
+  (`success_source`, `extras["judge"]`)."""
   if phase not in ("train", "eval"):
-    raise ValueError(f"make_judge: phase={phase!r}, use 'train' or 'eval'.")
+    raise ValueError(f"judge_spec: phase={phase!r}, use 'train' or 'eval'.")
   j = config.get("judge") if hasattr(config, "get") else None
   kind = str(j[phase]) if j is not None else "none"
   if kind not in JUDGES:
     raise ValueError(f"config.judge.{phase}={kind!r}: use one of {JUDGES}.")
-  from rao_jax.envs import judge as judge_lib  # pylint: disable=g-import-not-at-top
-  if kind == "none":
-    return None
-  if kind == "rule":
-    return judge_lib.RuleJudge()
-  return judge_lib.LLMJudge.for_policy(engine, tokenizer, url=str(j.url) or None,
-                                       api=str(j.api) or None)
+  if kind != "model":
+    return JudgeSpec(kind)
+  return JudgeSpec(kind, url=str(j.url) or None, api=str(j.api) or None)
+
+
+def make_judge(config, phase: str, engine, tokenizer):
+  """The judge of phase "train" / "eval" (`judge_spec`) for the policy's `engine`."""
+  return judge_spec(config, phase).build(engine, tokenizer)
+
+
+# -- a run, assembled ----------------------------------------------------------------------------
+
+
+def assemble(config, workdir: str) -> RunParts:
+  """The typed parts of the RL run `config` describes, in `workdir`: the one place a training
+  run reads its config (`trainer.Trainer` takes the parts; `Trainer.from_config` calls this).
+
+  Writes ``workdir/config.json`` (process 0) first, then builds each part once, so that a bad
+  value fails here, before any rollout: the loop's settings, the environment and its tasks
+  (train tasks, their draw weights, the evaluation sets), the policy and tokenizer (its remat
+  planned for the learner's mesh), the learner's config and mesh, where the first parameters
+  come from, and the settings of the engine, sandboxes, runners and judges (which the Trainer
+  starts). Loads the policy's weights; starts no engine, sandbox or learner.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from rao_jax import host_memory  # pylint: disable=g-import-not-at-top
+  # Before anything starts JAX's backends (jax.process_count below does), as load_policy asks.
+  host_memory.keep_freed_memory()
+  rl = rl_config(config)
+  rl.check_processes(jax.process_count())
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    save_config(config, workdir)
+  env = make_env(config)
+  train_tasks = train_and_val_tasks(env, config)[0]
+  eval_sets = evaluation_sets(env, config)   # a bad split fails here
+  # A bad rule fails here, not at the first step's rollouts.
+  weights = task_weights(train_tasks, rl.task_weights) if rl.task_weights else None
+  mesh = make_mesh(str(config.learner.mesh))
+  model, tokenizer = load_policy(config, mesh)
+  learner = learner_config(config, workdir, mesh=mesh)
+  from rao_jax.learner import checkpoint  # pylint: disable=g-import-not-at-top
+  init_from = str(config.ckpt.get("init_from") or "")
+  lora = getattr(model.cfg, "lora", None)
+  # With LoRA, load_policy made init_from's weights the frozen base already.
+  read_init_from = bool(init_from) and not (lora and lora.enabled)
+  initial = InitialWeights(
+      checkpoints=learner.ckpt_dir, init_from=init_from,
+      init_from_dir=checkpoint.init_from_dir(init_from) if read_init_from else None,
+      pretrained=str(config.model.name))
+  return RunParts(
+      workdir=workdir, rl=rl, env=env, train_tasks=tuple(train_tasks), task_weights=weights,
+      train_seed=int(config.env.train_seed), train_difficulty=str(config.env.train_difficulty),
+      eval_sets=tuple((name, tuple(tasks)) for name, tasks in eval_sets),
+      model=model, model_cfg=model.cfg, tokenizer=tokenizer, learner=learner, mesh=mesh,
+      initial=initial, engine=engine_spec(config, export_dir=os.path.join(workdir, "weights")),
+      sandbox=sandbox_config(config), sandbox_pool_size=int(config.sandbox.pool_size),
+      train_runner=runner_config(config),
+      eval_runner=runner_config(config, greedy=True, seed=int(config.env.eval_seed)),
+      train_judge=judge_spec(config, "train"), eval_judge=judge_spec(config, "eval"),
+      warmup=bool(config.get("warmup", True)), eval_every=int(config.eval.every),
+      num_html_trees=int(config.eval.num_html_trees),
+      tensorboard=bool(config.log.tensorboard), progress=bool(config.log.progress))
 
 
 @dataclasses.dataclass

@@ -10,6 +10,11 @@
       hooks, every n steps (`Trainer.hooks`): metrics, the divergence stop, evaluation on
         held-out tasks (trees as HTML), checkpoint, progress bar
 
+A run is assembled in one place: `experiment.assemble(config, workdir)` reads the config once
+into typed parts (`run_parts.RunParts`: tasks, policy, learner config and mesh, initial weights,
+rollout specs), and `Trainer(parts)` takes them (`Trainer.from_config` does both); the Trainer
+reads no config (tests/test_layers.py checks it).
+
 Resume order: the newest complete checkpoint in `workdir/checkpoints` (params, optimizer,
 step, RNG, data position) wins; else `config.ckpt.init_from` (parameters only, e.g. an SFT
 warm start); else the pretrained model. Ctrl-C / SIGTERM stop after the current stage, save a
@@ -75,14 +80,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from rao_jax import experiment as X
+from rao_jax import run_parts
 from rao_jax.collection import (RolloutProgress, collect_group, engine_failure, exchange,
                                 process_share)
 from rao_jax import hooks as hooks_lib
 from rao_jax import metrics as metrics_lib
 from rao_jax.agent import records as R
-from rao_jax.experiment import RLConfig
 from rao_jax.learner import Learner, NonFiniteUpdateError
-from rao_jax.learner import checkpoint as checkpoint_lib
 from rao_jax.rollout import base as rollout_base
 from rao_jax.rollout.base import EngineFailedError
 
@@ -154,57 +158,52 @@ class _Stopper:
     raise _StopRequested()
 
 
-def _validate(rl: RLConfig, num_processes: int) -> None:
-  """What the typed config cannot know alone: the run's processes. (Unknown keys are the entry
-  point's check, experiments.configs.base.check_keys: the schema lives with the configs.)"""
-  if rl.overlap and num_processes > 1:
-    raise ValueError("config.rl.overlap=True with several processes: the next step's rollouts "
-                     "would exchange trees while the learner step runs its collectives; use "
-                     "--config.rl.overlap=False for multi-host runs.")
-
-
 class Trainer:
-  """Holds the parts of one run; `run()` is the loop."""
+  """One RL run, built from its parts (`experiment.assemble`); `run()` is the loop.
 
-  def __init__(self, config, workdir: str):
-    self.rl = X.rl_config(config)
-    _validate(self.rl, jax.process_count())
-    self.config, self.workdir = config, os.path.abspath(workdir)
+  The constructor hands the parts down: the policy to a `Learner` (`parts.learner` on
+  `parts.mesh`), which then takes the run's newest checkpoint, or else the parameters of
+  `parts.initial.init_from_dir`; the learner's weights to the rollout engine `parts.engine`
+  builds. It reads no config: `Trainer.from_config(config, workdir)` assembles the parts first.
+
+  Args:
+    parts: the run's parts; their policy is handed to the learner (`RunParts.take_model`), so
+      one assembly builds one Trainer.
+  """
+
+  def __init__(self, parts: run_parts.RunParts):
+    self.parts, self.rl, self.workdir = parts, parts.rl, parts.workdir
     self.process, self.num_processes = jax.process_index(), jax.process_count()
     self.main = self.process == 0
     os.makedirs(self.workdir, exist_ok=True)
-    if self.main:
-      X.save_config(config, self.workdir)
-    self.env = X.make_env(config)
-    self.train_tasks = X.train_and_val_tasks(self.env, config)[0]
-    self.eval_sets = X.evaluation_sets(self.env, config)   # a bad split fails here
-    if self.rl.task_weights:   # a bad rule fails here, not at the first step's rollouts
-      X.task_weights(self.train_tasks, self.rl.task_weights)
-    model, self.tokenizer = X.load_policy(config)
-    self.model_cfg = model.cfg
+    self.env, self.tokenizer, self.model_cfg = parts.env, parts.tokenizer, parts.model_cfg
+    self.train_tasks, self.eval_sets = parts.train_tasks, parts.eval_sets
 
-    self.learner = Learner(X.learner_config(config, self.workdir), self.model_cfg,
-                           mesh=X.make_mesh(config.learner.mesh), params=model)
-    del model
+    self.learner = Learner(parts.learner, self.model_cfg, mesh=parts.mesh,
+                           params=parts.take_model())
     self.start_step = 0
     latest = self.learner.latest_checkpoint_step()
     if latest is not None:
       extra = self.learner.restore(latest)
       self.start_step = int(extra.get("data_position", latest))
       log.info("Resumed from %s at step %d.", self.learner.cfg.ckpt_dir, self.start_step)
-    elif config.ckpt.init_from and not self.learner.lora:
-      # (With LoRA, load_policy made init_from's weights the frozen base already.)
-      self._init_params_from(config.ckpt.init_from)
-    self.engine = X.make_engine(config, self._local_model(), self.tokenizer,
-                                export_dir=os.path.join(self.workdir, "weights"))
+    elif parts.initial.init_from_dir:
+      self._init_params_from(parts.initial)
+    self.engine = parts.engine.build(self._local_model(), self.tokenizer)
     self.trees_dir = os.path.join(self.workdir, "trees")
     if self.main:
       self._set_aside_superseded()
-    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=config.log.tensorboard,
+    self.metrics = (metrics_lib.MetricsWriter(self.workdir, tensorboard=parts.tensorboard,
                                               purge_step=self.start_step + 1)
                     if self.main else _NoMetrics())
     os.makedirs(self.trees_dir, exist_ok=True)
     self._failures_reported = 0   # checkpoint save failures written to the metrics
+
+  @classmethod
+  def from_config(cls, config, workdir: str) -> "Trainer":
+    """The Trainer of the run `config` describes, in `workdir`:
+    ``Trainer(experiment.assemble(config, workdir))``."""
+    return cls(X.assemble(config, workdir))
 
   def _set_aside_superseded(self) -> None:
     """Each step is recorded once: what an attempt killed before its next checkpoint wrote for
@@ -228,12 +227,13 @@ class Trainer:
                                 "errno": f.errno or 0, "save_failures": i}, prefix="ckpt/")
     self._failures_reported = len(failures)
 
-  def _init_params_from(self, path: str) -> None:
+  def _init_params_from(self, initial: run_parts.InitialWeights) -> None:
     """Starts from another run's newest parameters (optimizer and step start fresh)."""
-    ckpt_dir = checkpoint_lib.init_from_dir(path)
+    ckpt_dir = initial.init_from_dir
     donor = Learner(self.learner.cfg, self.model_cfg, mesh=self.learner.mesh)
     if donor.latest_checkpoint_step(ckpt_dir) is None:
-      raise FileNotFoundError(f"config.ckpt.init_from={path!r}: no checkpoint in {ckpt_dir}.")
+      raise FileNotFoundError(f"config.ckpt.init_from={initial.init_from!r}: no checkpoint in "
+                              f"{ckpt_dir}.")
     donor.restore(directory=ckpt_dir)
     fresh = Learner(self.learner.cfg, self.model_cfg, mesh=self.learner.mesh,
                     params=donor.params)
@@ -278,7 +278,7 @@ class Trainer:
     """(trees to train on, stats, every tree run, fault counters) of step `step`."""
     rl = self.rl
     tasks = X.train_tasks_for_step(self.train_tasks, step, rl.tasks_per_step,
-                                   int(self.config.env.train_seed), rl.task_weights)
+                                   self.parts.train_seed, self.parts.task_weights)
     tasks = process_share(tasks, self.process, self.num_processes)
     t0 = time.perf_counter()
     deadline = t0 + rl.deadline_s if rl.deadline_s else None
@@ -326,10 +326,7 @@ class Trainer:
   async def evaluate(self, repls, step: int) -> dict[str, float]:
     """Greedy evaluation of each set (held-out tasks per difficulty, or the validation split:
     `config.eval.split`); writes trees and an HTML page."""
-    c = self.config
-    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls, greedy=True,
-                           seed=int(c.env.eval_seed),
-                           judge=X.make_judge(c, "eval", self.engine, self.tokenizer))
+    runner = self.parts.runner(self.engine, repls, "eval")
     out, all_trees = {}, []
     for diff, tasks in self.eval_sets:
       trees = await runner.run_tasks(tasks, group_size=1)
@@ -339,11 +336,11 @@ class Trainer:
       all_trees += trees
       out[f"success_{diff}"] = X.success_rate(trees)
     out.update(metrics_lib.tree_stats(all_trees))
-    out.update(metrics_lib.drift_stats(all_trees, int(c.agent.max_depth)))
+    out.update(metrics_lib.drift_stats(all_trees, self.parts.eval_runner.max_depth))
     d = os.path.join(self.workdir, "eval", f"step_{step:06d}")
     os.makedirs(d, exist_ok=True)
     R.save_trees_jsonl(os.path.join(d, "trees.jsonl"), all_trees)
-    metrics_lib.write_html(all_trees[: int(c.eval.num_html_trees)],
+    metrics_lib.write_html(all_trees[: self.parts.num_html_trees],
                            os.path.join(d, "trees.html"), title=f"Evaluation at step {step}")
     return out
 
@@ -353,14 +350,12 @@ class Trainer:
     return asyncio.run(self._run())
 
   async def _run(self) -> dict[str, Any]:
-    c = self.config
     loop = asyncio.get_running_loop()
     stopper = _Stopper()
     stopper.install(loop)
-    repls = X.sandbox_pool(c)
+    repls = self.parts.sandbox_pool()
     await repls.start()
-    runner = X.make_runner(c, self.env, self.engine, self.tokenizer, repls,
-                           judge=X.make_judge(c, "train", self.engine, self.tokenizer))
+    runner = self.parts.runner(self.engine, repls, "train")
     total = self.rl.total_steps
     state = RunState(step=self.start_step, guard=NonFiniteGuard(self.rl.max_nonfinite_steps))
     hooks = self.hooks(repls, stopper, state)
@@ -369,7 +364,7 @@ class Trainer:
       await self.sync_weights(state.step)
       # After the first sync: the engine's programs are specialised to the synced weights'
       # arrays (warmed on the weights it was built with, step 1 compiled them all again).
-      if c.get("warmup", True) and state.step < total:
+      if self.parts.warmup and state.step < total:
         state.warmup_s = await asyncio.to_thread(self.warmup)
       while state.step < total:
         m = await self.rl_step(runner, state, stopper.guard)
@@ -415,7 +410,7 @@ class Trainer:
     before step 1, so that no step compiles (with the persistent compilation cache, a later
     run loads them); returns the seconds spent."""
     t0 = time.perf_counter()
-    engine_s = X.warm_engine(self.config, self.engine)
+    engine_s = self.parts.engine.warm(self.engine)
     learner_s = self.learner.warmup()
     log.info("warm-up: engine %.1f s, learner (%d row buckets) %.1f s", engine_s,
              len(self.learner.cfg.bucket_rows), learner_s)
@@ -479,7 +474,7 @@ class Trainer:
                                  / max(learn_s - learner_compile_s, 1e-9),
          # The learning-rate schedule's position: updates actually applied.
          "learner/applied_updates": float(self.learner.step_count),
-         f"success_{self.config.env.train_difficulty}": success}
+         f"success_{self.parts.train_difficulty}": success}
     if state.warmup_s is not None:
       m["time/warmup_s"], state.warmup_s = state.warmup_s, None
     m.update(staleness)
@@ -493,7 +488,7 @@ class Trainer:
     m.update({f"learner/{k}": v for k, v in lmetrics.items()})
     if trees:
       m.update(metrics_lib.tree_stats(trees))
-      m.update(metrics_lib.drift_stats(trees, int(self.config.agent.max_depth)))
+      m.update(metrics_lib.drift_stats(trees, self.parts.train_runner.max_depth))
     if adv is not None:
       m["drift/groups_all_equal"] = adv.stats["groups_all_equal_frac"]
     m["drift/update_applied"] = float(lmetrics.get("update_applied", 1.0))
@@ -518,7 +513,7 @@ class Trainer:
   def hooks(self, repls, stopper: "_Stopper", state: "RunState") -> list[hooks_lib.Hook]:
     """What runs between steps, in order: metrics, the divergence stop, evaluation (process 0),
     the checkpoint, the progress bar."""
-    c, total = self.config, self.rl.total_steps
+    total = self.rl.total_steps
 
     def write_metrics(step, m):
       self.metrics.write(step, m, prefix="train/")
@@ -563,9 +558,9 @@ class Trainer:
     hooks = [hooks_lib.Hook("metrics", 1, write_metrics),
              hooks_lib.Hook("divergence", 1, stop_if_diverged)]
     if self.main:   # <= 0: no evaluation inside the loop
-      hooks.append(hooks_lib.Hook("evaluation", int(c.eval.every), evaluate))
+      hooks.append(hooks_lib.Hook("evaluation", self.parts.eval_every, evaluate))
     hooks.append(hooks_lib.Hook("checkpoint", self.learner.cfg.ckpt_every, checkpoint))
-    hooks.append(hooks_lib.progress_hook(total, state.step, c.log.progress, postfix))
+    hooks.append(hooks_lib.progress_hook(total, state.step, self.parts.progress, postfix))
     return hooks
 
 
@@ -651,7 +646,7 @@ def record_staleness(trees, step: int) -> dict[str, float]:
 def train(config, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) RAO training described by `config` in `workdir`."""
   logging.basicConfig(level=logging.INFO)
-  trainer = Trainer(config, workdir)
+  trainer = Trainer.from_config(config, workdir)
   try:
     return trainer.run()
   finally:

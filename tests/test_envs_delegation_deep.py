@@ -145,7 +145,6 @@ def test_extra_helpers_are_allowed_and_cost_turns(runtime):
 
 def test_config_builds_translates_and_its_buckets_hold_the_largest_step():
   from rao_jax import experiment as X
-  from rao_jax import trainer
   c = cfg_lib.get_config("seed=3")
   c.lock()
   rc, lc = X.runner_config(c), X.learner_config(c, "/tmp/unused")
@@ -156,7 +155,7 @@ def test_config_builds_translates_and_its_buckets_hold_the_largest_step():
   assert max(lc.bucket_rows) >= c.rl.group_size * c.rl.tasks_per_step * D.tree_budget(8)
   assert X.make_env(c).cfg.seed == 3
   assert cfg_lib.get_config("single").agent.mode == "single"
-  trainer._validate(X.rl_config(c), num_processes=1)  # pylint: disable=protected-access
+  X.rl_config(c).check_processes(1)
 
 
 _IN = {"outside_root": False, "outside_parent": False}

@@ -7,7 +7,6 @@ from ml_collections import config_flags  # noqa: F401  (the flag machinery users
 
 from experiments.configs import base, longcontext, search, textcraft, textcraft_synth
 from rao_jax import experiment as X
-from rao_jax import trainer
 
 
 @pytest.mark.parametrize("mod,arg", [
@@ -56,8 +55,8 @@ def test_overlap_needs_a_ratio_loss():
   c.rl.loss = "ppo_clip"
   assert X.rl_config(c).overlap is True
   with pytest.raises(ValueError, match="overlap=True with several processes"):
-    trainer._validate(X.rl_config(c), num_processes=2)  # pylint: disable=protected-access
-  trainer._validate(X.rl_config(c), num_processes=1)  # pylint: disable=protected-access
+    X.rl_config(c).check_processes(2)
+  X.rl_config(c).check_processes(1)
 
 
 def test_rl_config_is_typed_frozen_and_names_key_value_and_fix():
@@ -141,6 +140,10 @@ def test_task_weights_draw_the_weighted_tasks_more_often_and_name_bad_rules():
   # Pure in (seed, step), as the uniform draw: a resumed run draws the same tasks.
   assert X.train_tasks_for_step(tasks, 3, 4, 1, "target_items:2=4") == \
       X.train_tasks_for_step(tasks, 3, 4, 1, "target_items:2=4")
+  # The Trainer draws with the weights assembled once from the rule: the same tasks.
+  weights = X.task_weights(tasks, "target_items:2=4")
+  assert all(X.train_tasks_for_step(tasks, s, 4, 1, weights)
+             == X.train_tasks_for_step(tasks, s, 4, 1, "target_items:2=4") for s in range(20))
   with pytest.raises(ValueError, match="'target_items=2' is not FIELD:VALUE=WEIGHT"):
     X.RLConfig(total_steps=1, task_weights="target_items=2")
   with pytest.raises(ValueError, match="no train task has the field"):

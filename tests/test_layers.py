@@ -32,6 +32,7 @@ LAYERS = [
     ["rao_jax.envs"],                         # tasks, verifiers, judges (a judge generates)
     ["rao_jax.agent"],                        # the recursive runtime: envs + an engine + REPLs
     ["rao_jax.metrics", "rao_jax.hooks"],     # metrics files, plots, tree pages; loop hooks
+    ["rao_jax.run_parts"],                    # the typed parts of a run: settings and specs
     ["rao_jax.experiment"],                   # a loose config -> the typed parts of a run
     ["rao_jax.collection"],                   # a step's trees under the fault rules, progress
     ["rao_jax.trainer", "rao_jax.sft", "rao_jax.evaluation"],   # the runs
@@ -153,6 +154,7 @@ def test_the_check_catches_an_upward_import_local_or_not(tmp_path):
 @pytest.mark.parametrize("module", ["rao_jax.rollout.base", "rao_jax.rollout", "rao_jax.learner",
                                     "rao_jax.model", "rao_jax.kernels", "rao_jax.agent.runner",
                                     "rao_jax.envs.registry", "rao_jax.experiment",
+                                    "rao_jax.run_parts",
                                     "rao_jax.rollout.serve.schema",
                                     "rao_jax.rollout.serve.openai_schema"])
 def test_light_modules_do_not_load_jax(module):
@@ -165,3 +167,97 @@ def test_light_modules_do_not_load_jax(module):
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, check=True).stdout.strip()
   assert out == "", f"import {module} loaded {out}"
+
+
+# ---- a run is assembled in one place -----------------------------------------------------------
+# `experiment.assemble` reads a training run's config, once, into typed parts (rao_jax.run_parts);
+# the Trainer takes those parts and hands them down, so that following the config from its
+# constructor goes down the layers only. The Trainer therefore reads no config (no name or
+# attribute `config`), and of rao_jax.experiment it uses only these per-step helpers of typed
+# values; `Trainer.from_config` may pass its config to `experiment.assemble`, and to nothing else.
+TRAINER_USES_OF_EXPERIMENT = {
+    "train_tasks_for_step": "each step's draw from the assembled tasks (seed, step, weights)",
+    "success_rate": "a metric of trees",
+    "RolloutStats": "what a step's rollouts report",
+}
+
+
+def _experiment_names(tree) -> tuple[set[str], dict[str, str]]:
+  """(aliases of the module rao_jax.experiment, {local name: its name in rao_jax.experiment})."""
+  aliases, names = {"rao_jax.experiment"}, {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module == "rao_jax":
+      aliases |= {a.asname or a.name for a in node.names if a.name == "experiment"}
+    elif isinstance(node, ast.ImportFrom) and node.module == "rao_jax.experiment":
+      names.update({a.asname or a.name: a.name for a in node.names})
+    elif isinstance(node, ast.Import):
+      aliases |= {a.asname for a in node.names if a.name == "rao_jax.experiment" and a.asname}
+  return aliases, names
+
+
+def trainer_reads_of_the_config(source: str) -> list[str]:
+  """Where the class Trainer of `source` reads a run's config itself, or assembles a part of
+  the run from rao_jax.experiment, instead of taking it from its parts."""
+  tree = ast.parse(source)
+  aliases, imported = _experiment_names(tree)
+  cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+  bad = []
+  for fn in cls.body:
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    where = f"Trainer.{fn.name}"
+    allowed = set(TRAINER_USES_OF_EXPERIMENT)
+    if fn.name == "from_config":
+      allowed.add("assemble")
+    passed = set()   # the config given to experiment.assemble (from_config's one use of it)
+    for node in ast.walk(fn):
+      used = None
+      if isinstance(node, ast.Attribute) and ast.unparse(node.value) in aliases:
+        used = node.attr
+      elif isinstance(node, ast.Name) and node.id in imported:
+        used = imported[node.id]
+      if used is not None and used not in allowed:
+        bad.append(f"{where}:{node.lineno} calls experiment.{used} (a part of the run: take it "
+                   "from RunParts, made by experiment.assemble)")
+      if isinstance(node, ast.Call) and fn.name == "from_config" and (
+          ast.unparse(node.func).split(".")[-1] == "assemble"):
+        passed |= {id(a) for a in node.args if isinstance(a, ast.Name) and a.id == "config"}
+    for node in ast.walk(fn):
+      if isinstance(node, ast.Name) and node.id == "config" and id(node) not in passed:
+        bad.append(f"{where}:{node.lineno} reads `config`")
+      elif isinstance(node, ast.Attribute) and node.attr == "config":
+        bad.append(f"{where}:{node.lineno} reads `{ast.unparse(node)}`")
+      elif isinstance(node, ast.arg) and node.arg == "config" and fn.name != "from_config":
+        bad.append(f"{where}:{fn.lineno} takes a `config`")
+  return bad
+
+
+def test_the_trainer_takes_the_assembled_parts_of_its_run():
+  with open(os.path.join(ROOT, "rao_jax", "trainer.py")) as f:
+    bad = trainer_reads_of_the_config(f.read())
+  assert not bad, "the Trainer reads its config instead of its parts:\n  " + "\n  ".join(bad)
+
+
+def test_the_check_catches_a_trainer_that_assembles_its_run_again():
+  # The callbacks the Trainer made before runs were assembled in one place.
+  source = (
+      "from rao_jax import experiment as X\n"
+      "from rao_jax.experiment import make_mesh\n"
+      "class Trainer:\n"
+      "  def __init__(self, config, workdir):\n"
+      "    self.rl = X.rl_config(config)\n"
+      "    self.mesh = make_mesh(self.parts.mesh_spec)\n"
+      "  def run(self):\n"
+      "    return X.success_rate(self.trees), self.config.eval.every\n"
+      "  @classmethod\n"
+      "  def from_config(cls, config, workdir):\n"
+      "    return cls(X.assemble(config, workdir), X.load_policy(config))\n")
+  found = trainer_reads_of_the_config(source)
+  assert sorted(b.split(" (")[0] for b in found) == sorted([
+      "Trainer.__init__:4 takes a `config`",
+      "Trainer.__init__:5 calls experiment.rl_config",
+      "Trainer.__init__:5 reads `config`",
+      "Trainer.__init__:6 calls experiment.make_mesh",
+      "Trainer.run:8 reads `self.config`",
+      "Trainer.from_config:11 calls experiment.load_policy",
+      "Trainer.from_config:11 reads `config`"]), found

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from experiments.configs import textcraft_synth
@@ -46,6 +47,51 @@ def _config(model_dir, total_steps=2):
 def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(l) for l in f]
+
+
+def test_assemble_builds_each_part_once_as_the_config_says(tiny_hf_dir, tmp_path):
+  """The Trainer's parts (`experiment.assemble`), each what the config's own builder makes; in
+  this module for its tiny model (the cheap checks of assembly: test_experiment_assemble.py)."""
+  from rao_jax import experiment as X
+  c = _config(tiny_hf_dir)
+  c.env.val_tasks, c.eval.split, c.rl.task_weights = 3, "val", "target_items:1=3"
+  c.ckpt.init_from = str(tmp_path / "sft")   # read by the Trainer when nothing resumes
+  wd = str(tmp_path / "run")
+  parts = X.assemble(c, wd)
+  assert parts.workdir == wd and json.load(open(os.path.join(wd, "config.json")))["env"][
+      "val_tasks"] == 3
+  assert parts.rl == X.rl_config(c)
+  # Tasks: RL draws from the train tasks without the validation split, which is what the
+  # in-loop evaluation scores (eval.split = "val"); the rule's weights are each train task's.
+  train, val = X.train_and_val_tasks(X.make_env(c), c)
+  ids = lambda tasks: [t.task_id for t in tasks]
+  assert ids(parts.train_tasks) == ids(train) and len(val) == 3
+  assert [(name, ids(tasks)) for name, tasks in parts.eval_sets] == [
+      ("val", ids(val[:c.eval.num_tasks]))]
+  np.testing.assert_array_equal(parts.task_weights, X.task_weights(train, "target_items:1=3"))
+  assert parts.train_seed == c.env.train_seed and parts.train_difficulty == "easy"
+  # Policy and learner: one mesh for the learner and the remat plan ("auto" planned).
+  assert parts.learner == X.learner_config(c, wd)
+  assert dict(parts.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 1}
+  assert parts.remat == parts.model_cfg.remat and parts.remat in ("none", "dots", "full")
+  assert parts.initial == X.InitialWeights(
+      checkpoints=os.path.join(wd, "checkpoints"), init_from=str(tmp_path / "sft"),
+      init_from_dir=str(tmp_path / "sft" / "checkpoints"), pretrained=tiny_hf_dir)
+  # Rollouts: the engine, runners, judges and sandboxes the config's own builders make.
+  assert parts.engine == X.engine_spec(c, export_dir=os.path.join(wd, "weights"))
+  assert parts.engine.embedded == X.engine_config(c) and parts.engine.max_cache_len == 1024
+  assert parts.train_runner == X.runner_config(c)
+  assert parts.eval_runner == X.runner_config(c, greedy=True, seed=c.env.eval_seed)
+  assert (parts.train_judge, parts.eval_judge) == (X.judge_spec(c, "train"),
+                                                   X.judge_spec(c, "eval"))
+  assert parts.sandbox == X.sandbox_config(c) and parts.sandbox_pool_size == c.sandbox.pool_size
+  assert (parts.warmup, parts.eval_every, parts.tensorboard, parts.progress) == (
+      True, 2, True, False)
+  # The policy goes to one learner: the parts let go of it.
+  model = parts.take_model()
+  assert model.cfg is parts.model_cfg and parts.model is None
+  with pytest.raises(RuntimeError, match="taken already"):
+    parts.take_model()
 
 
 def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):

@@ -45,7 +45,7 @@ def test_no_compilation_inside_steps_after_the_first(tiny_hf_dir, tmp_path):
   c = _config(tiny_hf_dir, 3)
   c.eval.every = 0
   c.compile_cache = ""            # the suite's own cache is in the environment; no new one
-  t = Counting(c, str(tmp_path / "run"))
+  t = Counting.from_config(c, str(tmp_path / "run"))
   res = t.run()
   assert res["step"] == 3 and len(t.per_step) == 3
   counts = [x for x, _ in t.per_step]
@@ -68,7 +68,7 @@ def test_without_warmup_the_first_step_compiles(tiny_hf_dir, tmp_path):
   c.compile_cache = ""
   c.rollout.num_slots = 3         # a shape no other test of this process compiled
   c.rollout.embedded.prefill_rows = (1,)   # the default (1, 4) needs 4 slots
-  t = Counting(c, str(tmp_path / "run"))
+  t = Counting.from_config(c, str(tmp_path / "run"))
   t.run()
   (x, m), = t.per_step
   assert x["engine_traces"] > 0 and m["time/rollout_compile_s"] > 0

@@ -96,7 +96,7 @@ def test_an_engine_that_keeps_failing_stops_the_run_with_a_checkpoint(policy_dir
   wd = str(tmp_path / "run")
   c = _config(policy_dir, 3)
   c.rollout.embedded.max_consecutive_faults = 2
-  t = run["t"] = tr.Trainer(c, wd)
+  t = run["t"] = tr.Trainer.from_config(c, wd)
   try:
     with pytest.raises(tr.RolloutEngineFailedError) as info:
       t.run()

@@ -255,7 +255,7 @@ def test_unknown_config_keys_are_rejected_with_the_valid_ones():
   c.rl.group_size = 2
   c.rl.deadline_rule = "wait"
   with pytest.raises(ValueError, match="deadline_rule"):
-    tr.Trainer(c, "/nonexistent/never-created")
+    tr.Trainer.from_config(c, "/nonexistent/never-created")
 
 
 @pytest.mark.slow

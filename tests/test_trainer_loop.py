@@ -75,9 +75,9 @@ def _trainer(tmp_path, *, overlap=False, total=3, max_staleness=1, learner=None)
   t = object.__new__(tr.Trainer)
   t.rl = X.RLConfig(total_steps=total, group_size=2, overlap=overlap,
                     loss="ppo_clip" if overlap else "rao", max_staleness=max_staleness)
-  t.config = types.SimpleNamespace(env=types.SimpleNamespace(train_difficulty="easy"),
-                                   agent=types.SimpleNamespace(max_depth=2),
-                                   log=types.SimpleNamespace(progress=False))
+  t.parts = types.SimpleNamespace(train_difficulty="easy",
+                                  train_runner=types.SimpleNamespace(max_depth=2),
+                                  progress=False)
   t.main, t.trees_dir = True, str(tmp_path)
   t.learner = learner or _Learner()
   t.collected, t.synced = [], []

@@ -76,8 +76,8 @@ shares, versions = [], []
 real_collect = trainer.Trainer.collect
 
 async def collect(self, runner, step):
-  tasks = X.train_tasks_for_step(self.train_tasks, step, int(self.config.rl.tasks_per_step),
-                                 int(self.config.env.train_seed))
+  tasks = X.train_tasks_for_step(self.train_tasks, step, self.rl.tasks_per_step,
+                                 self.parts.train_seed)
   shares.append([step, [t.task_id for t in trainer.process_share(tasks, self.process,
                                                                  self.num_processes)],
                  [t.task_id for t in tasks]])
@@ -92,8 +92,8 @@ class Versioned(policies.ScriptedTextCraftEngine):
                                         for x in leaves))])
 
 trainer.Trainer.collect = collect
-X.make_engine = lambda config, model, tokenizer, **kw: Versioned(tokenizer)
-t = trainer.Trainer(config(model_dir, steps), wd)
+X.EngineSpec.build = lambda self, model, tokenizer, **kw: Versioned(tokenizer)
+t = trainer.Trainer.from_config(config(model_dir, steps), wd)
 res = t.run()
 print("RESULT " + json.dumps({"step": res["step"], "digest": digest(t.learner.params),
                               "shares": shares, "versions": versions,

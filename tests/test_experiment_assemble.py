@@ -1,0 +1,50 @@
+"""A run assembled in one place: `experiment.assemble` turns a config into the typed parts the
+Trainer takes (tasks, task weights, policy and tokenizer, learner config, mesh, remat plan,
+initial weights, rollout specs). A bad value fails there, before the policy loads; the parts of
+a real assembly are checked in tests/test_trainer.py, beside the tiny model it builds.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rao_jax import experiment as X
+from tests.test_trainer import _config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rl.task_weights", "colour:red=2", "no train task has the field"),
+    ("eval.split", "val", r"eval.split='val' needs a validation split"),
+    ("rl.deadline_rule", "wait", "deadline_rule"),
+])
+def test_a_bad_value_fails_at_assembly_before_the_policy_loads(tmp_path, key, value, match):
+  c = _config(str(tmp_path / "no-such-model"))   # loading it would fail with another error
+  section, field = key.split(".")
+  c[section][field] = value
+  with pytest.raises(ValueError, match=match):
+    X.assemble(c, str(tmp_path / "run"))
+
+
+def test_assemble_sets_malloc_before_jax_starts_its_backends(tmp_path):
+  # host_memory.keep_freed_memory must run before JAX's threads exist; assemble's first query
+  # of the processes starts them. A fresh process, since this one's backends have started.
+  code = """
+import sys
+from jax._src import xla_bridge
+from rao_jax import experiment as X, host_memory
+from tests.test_trainer import _config
+seen = []
+host_memory.keep_freed_memory = lambda: seen.append(xla_bridge.backends_are_initialized())
+c = _config('unused')
+c.eval.split = 'val'   # fails once the tasks are built, before the policy loads
+try:
+  X.assemble(c, sys.argv[1])
+except ValueError:
+  print('started before:', seen)
+"""
+  out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.stdout.strip() == "started before: [False]", out.stdout + out.stderr[-2000:]
