@@ -3,6 +3,8 @@ trees against another run's.
 
     python benchmarks/bench_eval.py --eval_label=after [--num_tasks=64] [--compare=before]
     python benchmarks/bench_eval.py --eval_label=after --compare=before --compare_only
+    python benchmarks/bench_eval.py --eval_workdir=runs/rao/warm --eval_label=paged \
+        --from_stage=runs/rao/warm/recursive/eval_before --compare=unpaged --keep_trees=64
 
 It evaluates the recursive warm start that `bench_rl_step.py` builds (`<workdir>/recursive/sft`)
 greedily on the run config's held-out tasks, recursive mode, and records the wall minutes,
@@ -11,6 +13,10 @@ it sets them beside that label's run (made by another commit, e.g. before a chan
 success per task on the tasks both evaluated, and for the kept trees whether each agent's turns
 are token-identical, identical up to a turn that now stops earlier (at its cell's close), or
 where they first differ (node, turn, token index and the two tokens).
+
+With `--from_stage` the run is read from the recursion experiment's own held-out evaluation of
+the same warm start (the same `evaluate_checkpoint` call, timed by its stage), run at this
+commit: the hour-long evaluation is not paid twice.
 
 Results go to `--eval_out` (runs by label) and one JSON line on stdout. Progress on stderr.
 """
@@ -34,6 +40,11 @@ _COMPARE = flags.DEFINE_string("compare", "", "Label of a stored run to compare 
 _KEEP = flags.DEFINE_integer("keep_trees", 8, "Trees whose turns are kept for comparisons.")
 _BENCH_OUT = flags.DEFINE_string("eval_out", "benchmarks/results/bench_eval.json",
                                  "Result JSON (runs by label).")
+_FROM_STAGE = flags.DEFINE_string(
+    "from_stage", "", "Evaluate nothing: record the run from a recursion_evidence evaluation "
+    "stage of the same warm start (e.g. <eval_workdir>/recursive/eval_before, made by the "
+    "same greedy evaluation), its minutes from the stage's wall time: the experiment's own "
+    "evaluation is not paid twice.")
 _COMPARE_ONLY = flags.DEFINE_bool("compare_only", False,
                                   "Evaluate nothing: set the stored run --eval_label beside "
                                   "--compare (when the runs were made in the other order).")
@@ -112,6 +123,26 @@ def compare_stored(out: str) -> None:
                     "success": run["success"], "vs": run["vs"]}), flush=True)
 
 
+def read_stage(stage_dir: str, ckpt: str, num_tasks: int) -> tuple[dict, float]:
+  """(evaluate_checkpoint's results, minutes) of a complete evaluation stage of `ckpt`."""
+  try:
+    with open(os.path.join(stage_dir, "stage.json")) as f:
+      minutes = float(json.load(f)["minutes"])
+    with open(os.path.join(stage_dir, "results.json")) as f:
+      res = json.load(f)
+  except FileNotFoundError as e:
+    raise app.UsageError(f"--from_stage={stage_dir}: not a complete evaluation stage "
+                         f"({e.filename} is missing).") from e
+  if os.path.realpath(res.get("workdir", "")) != os.path.realpath(ckpt):
+    raise app.UsageError(f"--from_stage={stage_dir} evaluated {res.get('workdir')!r}, not this "
+                         f"warm start {ckpt!r}.")
+  if res.get("num_tasks") != num_tasks or "recursive" not in res.get("modes", {}):
+    raise app.UsageError(f"--from_stage={stage_dir}: {res.get('num_tasks')} tasks, modes "
+                         f"{sorted(res.get('modes', {}))}; --num_tasks={num_tasks} "
+                         "recursive is what this benchmark compares.")
+  return res, minutes
+
+
 def main(argv):
   del argv
   if _COMPARE_ONLY.value:
@@ -128,12 +159,16 @@ def main(argv):
   if not os.path.isdir(os.path.join(ckpt, "checkpoints")):
     raise app.UsageError(f"No warm start in {ckpt}: run benchmarks/bench_rl_step.py first "
                          "(it builds it) or pass --eval_workdir.")
-  out_dir = os.path.join(os.path.abspath(_WORKDIR.value), "bench_eval", _LABEL.value)
-  log(f"evaluating {ckpt} on {_NUM_TASKS.value} held-out tasks per difficulty -> {out_dir}")
-  t0 = time.time()
-  res = evaluation.evaluate_checkpoint(ckpt, num_tasks=_NUM_TASKS.value, modes=("recursive",),
-                                       out_dir=out_dir)
-  minutes = (time.time() - t0) / 60
+  if _FROM_STAGE.value:
+    out_dir = os.path.abspath(_FROM_STAGE.value)
+    res, minutes = read_stage(out_dir, ckpt, _NUM_TASKS.value)
+  else:
+    out_dir = os.path.join(os.path.abspath(_WORKDIR.value), "bench_eval", _LABEL.value)
+    log(f"evaluating {ckpt} on {_NUM_TASKS.value} held-out tasks per difficulty -> {out_dir}")
+    t0 = time.time()
+    res = evaluation.evaluate_checkpoint(ckpt, num_tasks=_NUM_TASKS.value,
+                                         modes=("recursive",), out_dir=out_dir)
+    minutes = (time.time() - t0) / 60
   trees = R.load_trees_jsonl(os.path.join(out_dir, "trees.jsonl"))
   by_diff = res["modes"]["recursive"]
   per_task = {f"{d}/{t}": s for d, r in by_diff.items() for t, s in r["per_task"].items()}

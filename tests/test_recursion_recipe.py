@@ -106,3 +106,17 @@ def test_carry_out_and_in_keep_what_resumes_and_refuse_another_warm_start(tmp_pa
   assert open(os.path.join(again, "running", "rl", "checkpoints", "1", "state")).read() == (
       "running1")
   assert rec.val_pick(os.path.join(again, "done", "rl"))[0] == 2
+
+
+def test_the_seeds_scale_is_the_committed_choice():
+  """`cpu_rao_seeds` (what the RL seeds run) is cpu_rao with the recipe the committed recipe
+  JSON chose on the validation split: a new choice that is not frozen into the scale fails."""
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                      "recursion_recipe.json")
+  with open(path) as f:
+    result = json.load(f)
+  chosen = result["chosen"]
+  assert chosen is not None and result["candidates"][chosen]["complete"]
+  assert result["scale"] == rec._SCALES["cpu_rao"]
+  assert rec._SCALES["cpu_rao_seeds"] == dict(rec._SCALES["cpu_rao"],
+                                              **result["candidates"][chosen]["recipe"])
