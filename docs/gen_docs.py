@@ -206,6 +206,8 @@ def gen_recursion_recipe(page: str) -> str:
   chosen = rec.get("chosen")
   out += ["", f"Chosen: **{chosen}**." if chosen else "No recipe is chosen yet.",
           "", f"The rule, fixed before any candidate ran: {rec['rule']}"]
+  if rec.get("notes"):
+    out += ["", "Notes from the run:", ""] + [f"- {n}" for n in rec["notes"]]
   return "\n".join(out)
 
 

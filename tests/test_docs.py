@@ -278,3 +278,4 @@ def test_recipe_table_follows_the_json(tmp_path, monkeypatch):
   assert "| lam05_lr1e-4 | lr=0.0001, lam=0.5 | 13/16 | 1 of 4 steps done |" in table
   assert "| lam0_lr3e-4 | lr=0.0003, lam=0 | - | not run yet |" in table
   assert "Chosen: **lam0_lr1e-4**." in table and "fixed before any candidate ran" in table
+  assert rec["notes"] and all(f"- {n}" in table for n in rec["notes"])
