@@ -88,7 +88,7 @@ def _update_change(kind: str, lr: float, trees, workdir: str) -> dict:
   from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
   from rao_jax.learner import Learner  # pylint: disable=g-import-not-at-top
   from rao_jax.learner import checkpoint  # pylint: disable=g-import-not-at-top
-  from rao_jax.model.transformer import token_logprobs  # pylint: disable=g-import-not-at-top
+  from rao_jax.model.logprobs import token_logprobs  # pylint: disable=g-import-not-at-top
   config, _ = _config(lr, _RANK.value if kind == "lora" else 0)
   model, _ = X.load_policy(config)
   if kind == "full":   # (a LoRA policy's base is init_from's already: load_policy)

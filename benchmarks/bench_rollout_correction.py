@@ -82,7 +82,7 @@ def main():
   from rao_jax.learner import Learner, LearnerConfig  # pylint: disable=g-import-not-at-top
   from rao_jax.learner.testing import make_node, make_tree  # pylint: disable=g-import-not-at-top
   from rao_jax.model import load_pretrained  # pylint: disable=g-import-not-at-top
-  from rao_jax.model.transformer import token_logprobs  # pylint: disable=g-import-not-at-top
+  from rao_jax.model.logprobs import token_logprobs  # pylint: disable=g-import-not-at-top
   from rao_jax.rollout import (EmbeddedEngine, GenerateRequest,  # pylint: disable=g-import-not-at-top
                                SamplingParams)
 

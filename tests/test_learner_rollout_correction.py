@@ -16,7 +16,8 @@ from rao_jax.learner import (Learner, LearnerConfig, compute_rewards_and_advanta
 from rao_jax.learner import losses
 from rao_jax.learner import step as step_lib
 from rao_jax.learner import testing
-from rao_jax.model.transformer import Transformer, token_logprobs
+from rao_jax.model.logprobs import token_logprobs
+from rao_jax.model.transformer import Transformer
 
 MODEL_CFG = testing.tiny_model_config()
 GRAPHDEF = nnx.split(nnx.eval_shape(lambda: Transformer(MODEL_CFG, rngs=nnx.Rngs(0))),

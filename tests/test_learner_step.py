@@ -16,7 +16,8 @@ from rao_jax.learner import testing
 from rao_jax.learner.testing import synthetic_trees, tiny_model_config, worked_example_trees
 from rao_jax.model import sharding
 from rao_jax.model.config import ModelConfig
-from rao_jax.model.transformer import Transformer, token_logprobs
+from rao_jax.model.logprobs import token_logprobs
+from rao_jax.model.transformer import Transformer
 
 VOCAB = 64
 SPEC_WA = [1.0417, 1.25, 0.0, 1.6667, -1.0417]   # RAO_SPEC worked example, w_d * A

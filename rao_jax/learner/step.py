@@ -28,7 +28,8 @@ from rao_jax.learner.packing import PackedBatch, pack_trees
 from rao_jax.learner.rewards import Advantages, compute_rewards_and_advantages
 from rao_jax.model import lora as lora_lib
 from rao_jax.model import sharding as sharding_lib
-from rao_jax.model.transformer import Transformer, token_logprob_sum, token_logprobs
+from rao_jax.model.logprobs import token_logprob_sum, token_logprobs
+from rao_jax.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """The policy model: Llama-family decoder in Flax NNX, weights (GGUF, HF), tokenizer, sharding.
 
-Modules: config (ModelConfig), transformer (the NNX model, token_logprobs, token_logprob_sum),
+Modules: config (ModelConfig), transformer (the NNX model), logprobs (token_logprobs,
+token_logprob_sum: target log-probs under the LM head, chunked),
 weights (registry, GGUF / HF loading, export_hf), gguf_file (GGUF reading), tokenizer (torch-free
 tokenizer and chat template), sharding (logical-axis rules, PartitionSpecs), chat (a command-line
 chat). The platform kernels it calls (products, attention) are ``rao_jax.kernels``, chosen by the
@@ -67,7 +68,7 @@ import importlib
 _EXPORTS = {
     "ModelConfig": "config", "RopeScaling": "config", "UnsupportedModelError": "config",
     "Transformer": "transformer", "make_packed_inputs": "transformer",
-    "token_logprob_sum": "transformer", "token_logprobs": "transformer",
+    "token_logprob_sum": "logprobs", "token_logprobs": "logprobs",
     "Tokenizer": "tokenizer",
     "CheckpointMismatchError": "weights", "WeightFileError": "weights", "export_hf": "weights",
     "known_models": "weights", "load_model": "weights", "load_pretrained": "weights",
