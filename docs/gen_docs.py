@@ -151,9 +151,13 @@ def gen_recursion_headline(page: str) -> str:
       verdict = f"is being replicated ({len(rows)} of 5 RL seeds in)"
     return (f"**{task} {verdict}.** With the corrected credit assignment: "
             f"{seeds_summary(seeds)}. {first}{details}")
-  return (f"**{task} is not settled yet.** {first} The credit assignment is being fixed (a "
-          "baseline on the reward's scale, no update from groups without signal) and five "
-          f"seeds are being rerun; until they land, read no gain into it{details}.")
+  warm = warm_start_reading("recursive")
+  warm = (f". With today's prompts the warm start already solves {count(warm[0], warm[1])}/"
+          f"{warm[1]} before RL" if warm else "")
+  return (f"**{task} is not settled yet.** {first} The credit assignment has been corrected (a "
+          "baseline on the reward's scale, no update from groups without signal), a recipe "
+          "chosen on train tasks, and five RL seeds are running; until they land, read no gain "
+          f"into it{warm}{details}.")
 
 
 def gen_recursion_runs(page: str) -> str:
@@ -216,7 +220,8 @@ def gen_recursion_seeds(page: str) -> str:
   seeds = load_json("recursion_seeds.json")
   if not seeds or not seeds.get("seeds"):
     return ("No seed of the corrected method has finished yet: this table fills from "
-            "`benchmarks/results/recursion_seeds.json` when the first one lands.")
+            "`benchmarks/results/recursion_seeds.json` when the first one lands."
+            + warm_start_readings(page))
   out = ["| RL seed | warm start | after RL | paired effect | delegating trees | vs. single "
          "agent | minutes |", "|---|---|---|---|---|---|---|"]
   for s in seeds["seeds"]:
@@ -228,6 +233,31 @@ def gen_recursion_seeds(page: str) -> str:
                f"{s['minutes']:.0f} |")
   out += ["", seeds_summary(seeds) + "."]
   return "\n".join(out)
+
+
+def warm_start_reading(mode: str) -> tuple[float, int, str, str] | None:
+  """(success, tasks, difficulty, stage path) of the seeds' shared warm start on the held-out
+  tasks in `mode`, from its committed stage result; None when it is not there."""
+  path = os.path.join(RESULTS, "recursion_runs", "warm", mode, "eval_before", "stage.json")
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    (diff, r), = json.load(f)["result"].items()
+  return r["success"], r["num_tasks"], diff, os.path.relpath(path, ROOT)
+
+
+def warm_start_readings(page: str) -> str:
+  """The seeds' shared warm start on the held-out tasks while no seed has landed ("" when its
+  stage results are not committed)."""
+  out = []
+  for mode, who in (("recursive", "the recursive warm start"), ("single", "the single agent")):
+    r = warm_start_reading(mode)
+    if r is None:
+      return ""
+    out.append(f"{who} solves {frac(r[0], r[1])} of the held-out {r[2]} tasks "
+               f"([stage]({rel(r[3], page)}))")
+  return (" Before RL, with today's prompts (the task in the REPL, no helper offered at the "
+          f"depth limit), {out[0]}, {out[1]}.")
 
 
 def gen_recursion_readings(page: str) -> str:

@@ -205,7 +205,19 @@ def test_results_follow_the_json(tmp_path, monkeypatch):
 
 def test_five_seed_results_replace_the_placeholder(tmp_path, monkeypatch):
   res = _copy_results(tmp_path, monkeypatch)
-  assert "No seed of the corrected method" in gen.gen_recursion_seeds("docs/results/recursion.md")
+  placeholder = gen.gen_recursion_seeds("docs/results/recursion.md")
+  assert "No seed of the corrected method" in placeholder and "Before RL" not in placeholder
+  assert "already solves" not in gen.gen_recursion_headline("README.md")
+  # The shared warm start's held-out readings, once their stage results are committed.
+  for mode, k in (("recursive", 50), ("single", 2)):
+    d = res / "recursion_runs" / "warm" / mode / "eval_before"
+    d.mkdir(parents=True)
+    (d / "stage.json").write_text(json.dumps(
+        {"minutes": 30.0, "result": {"medium": {"success": k / 64, "num_tasks": 64}}}))
+  placeholder = gen.gen_recursion_seeds("docs/results/recursion.md")
+  assert "the recursive warm start solves 50/64 [0.67, 0.86]" in placeholder
+  assert "the single agent solves 2/64 [0.01, 0.11]" in placeholder
+  assert "the warm start already solves 50/64 before RL" in gen.gen_recursion_headline("README.md")
   seeds = {"seeds": [{"rl_seed": s, "before": 40 / 64, "after": (44 + s) / 64,
                       "paired": {"delta": (4 + s) / 64, "ci95": [0.01, 0.2], "n": 64},
                       "delegating_share": {"before": 60 / 64, "after": 59 / 64},
