@@ -369,6 +369,36 @@ def gen_ablation_claims(page: str) -> str:
   return "\n".join(out)
 
 
+def gen_ablation_baseline_scale(page: str) -> str:
+  """The paper's baseline against the library's default on the deep task, with the control."""
+  d = load_json("rao_ablations_baseline_scale.json")
+  if not d:
+    return "Not run yet: `python benchmarks/bench_rao_ablations.py --only=baseline_scale`."
+  if d.get("valid") is False:
+    return f"The committed run is invalid: {d.get('invalid_because', '')}"
+  ci = lambda v: "{:.2f} [{:.2f}, {:.2f}]".format(v["mean"], *v["ci95"])
+  out = [f"Deep task, {d['seeds']} seeds, {d['steps']} RL steps, {d['cpu']}.", "",
+         "| arm | baseline, equal groups | held-out (greedy) | train success (sampled) | "
+         "delegating | steps without update |", "|---|---|---|---|---|---|"]
+  for name, a in d["arms"].items():
+    o = a["overrides"]
+    credit = (f"{o.get('rl.baseline')}, {'dropped' if o.get('rl.drop_equal_groups') else 'kept'}"
+              + (", lr 0" if o.get("optim.lr") == 0.0 else "")
+              + (f", lambda {o['rl.lam']:g}" if "rl.lam" in o else ""))
+    out.append(f"| {name} | {credit} | {ci(a['held_out'])} | {ci(a['train_success'])} | "
+               f"{ci(a['delegating'])} | {a['steps_without_update']['mean']:.1f} |")
+  out += ["", "| pair | held-out difference | significant |", "|---|---|---|"]
+  for lam, p in d["paired"].items():
+    h = p["held_out"]
+    out.append(f"| {p['default_minus_paper']} ({lam}) | {delta_ci(h)} | "
+               f"{'yes' if h['significant'] else 'no'} |")
+  for pair, p in d["vs_reference"].items():
+    h = p["held_out"]
+    out.append(f"| {pair} | {delta_ci(h)} | {'yes' if h['significant'] else 'no'} |")
+  out += ["", f"Reading: {d['notes'][-1]}", "", f"Machine: {d['note']}"]
+  return "\n".join(out)
+
+
 # ------------------------------------------------------------------- README's results table
 
 
@@ -921,6 +951,7 @@ BLOCKS: dict[str, Callable[[str], str]] = {
     "recursion_trees": gen_recursion_trees,
     "ablation_main": gen_ablation_main,
     "ablation_claims": gen_ablation_claims,
+    "ablation_baseline_scale": gen_ablation_baseline_scale,
     "results_table": gen_results_table,
     "speed_table": gen_speed_table,
     "memory_plan": gen_memory_plan,

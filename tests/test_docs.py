@@ -291,3 +291,19 @@ def test_recipe_table_follows_the_json(tmp_path, monkeypatch):
   assert "| lam0_lr3e-4 | lr=0.0003, lam=0 | - | not run yet |" in table
   assert "Chosen: **lam0_lr1e-4**." in table and "fixed before any candidate ran" in table
   assert rec["notes"] and all(f"- {n}" in table for n in rec["notes"])
+
+
+def test_baseline_scale_table_follows_the_json(tmp_path, monkeypatch):
+  res = tmp_path / "results"
+  res.mkdir()
+  monkeypatch.setattr(gen, "RESULTS", str(res))
+  assert "Not run yet" in gen.gen_ablation_baseline_scale("docs/results/ablations.md")
+  d = json.loads(_read("benchmarks/results/rao_ablations_baseline_scale.json"))
+  d["arms"]["default"]["held_out"].update(mean=0.8125, ci95=[0.7, 0.9])
+  (res / "rao_ablations_baseline_scale.json").write_text(json.dumps(d))
+  table = gen.gen_ablation_baseline_scale("docs/results/ablations.md")
+  assert "| default | loo_success, dropped | 0.81 [0.70, 0.90] |" in table
+  assert f"Reading: {d['notes'][-1]}" in table
+  d["valid"], d["invalid_because"] = False, "a defective warm start"
+  (res / "rao_ablations_baseline_scale.json").write_text(json.dumps(d))
+  assert "invalid: a defective warm start" in gen.gen_ablation_baseline_scale("x.md")
