@@ -61,6 +61,7 @@ import time
 from absl import app
 from absl import flags
 
+from experiments import carry
 from experiments import learning_evidence as le
 from experiments.recursion_report import READINGS, STAGES, write_report
 
@@ -505,6 +506,26 @@ def val_pick(rl_dir: str) -> tuple[int | None, list]:
   return min(st for st, v in curve if v == best), curve
 
 
+def sft_dirs(root: str, modes) -> dict[str, str]:
+  """{mode: its warm start's checkpoint folder} under a workdir (linked from another with
+  --share_stages_from)."""
+  return {m: os.path.join(root, m, "sft") for m in modes}
+
+
+def pending_checkpoint(stage_dir: str, s: dict) -> int | None:
+  """The checkpoint step the held-out evaluation after an RL stage will read while that
+  evaluation has not run (`eval_after_stage`'s choice: the validation split's step, else the
+  newest of a complete stage); None for other stages or once it ran."""
+  if os.path.basename(stage_dir) != "rl" or os.path.exists(
+      os.path.join(os.path.dirname(stage_dir), "eval_after", "stage.json")):
+    return None
+  step = val_pick(stage_dir)[0] if s.get("val_tasks") else None
+  if step is None and os.path.exists(os.path.join(stage_dir, "stage.json")):
+    steps = carry.checkpoint_steps(os.path.join(stage_dir, "checkpoints"))
+    step = steps[-1] if steps else None
+  return step
+
+
 def eval_after_stage(mode: str, rl_dir: str, s: dict, diffs):
   """The held-out evaluation after RL: of the newest checkpoint, or, with a validation split,
   of the step the split prefers (`val_pick`); the result says which step and why."""
@@ -588,6 +609,14 @@ def main(argv):
   if _SHARE_FROM.value:
     linked = share_stages(_SHARE_FROM.value, root, _flag("modes"))
     print(f"stages linked from {_SHARE_FROM.value}: {', '.join(linked) or 'none'}", flush=True)
+  modes = _flag("modes")
+  if carry.CARRY_OUT.value:
+    done = {m: d for m, d in sft_dirs(root, modes).items()
+            if os.path.exists(os.path.join(d, "stage.json"))}
+    print(json.dumps(carry.carry_out(done, root,
+                                     os.path.abspath(carry.CARRY_OUT.value), weights_fingerprint,
+                                     pending=lambda d: pending_checkpoint(d, s))))
+    return
   stages = le._Stages(root)  # pylint: disable=protected-access
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
   caps_out = os.path.abspath(_CAPS_OUT.value)
@@ -597,6 +626,11 @@ def main(argv):
   print(json.dumps({k: caps[k] for k in ("single_agent_upper_bound", "verdict")}), flush=True)
   if _STAGES.value == "caps":
     return
+  if carry.CARRY_IN.value:
+    for mode in modes:   # the warm start the carry's fingerprints are checked against
+      run_stages(mode, s, root, ("demos", "sft"))
+    print(json.dumps(carry.carry_in(os.path.abspath(carry.CARRY_IN.value), sft_dirs(root, modes),
+                                    root, weights_fingerprint)), flush=True)
   if _STOP_AFTER.value:
     names = STAGES[:STAGES.index(_STOP_AFTER.value) + 1]
     for mode in _flag("modes"):

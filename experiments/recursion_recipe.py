@@ -25,6 +25,7 @@ import os
 from absl import app
 from absl import flags
 
+from experiments import carry
 from experiments import learning_evidence as le
 from experiments import recursion_evidence as rec
 
@@ -33,13 +34,6 @@ _WARM = flags.DEFINE_string("warm", "runs/rao/warm", "A recursion_evidence workd
 _CANDIDATES = flags.DEFINE_multi_string(
     "candidates", [], "NAME:RECIPE, e.g. lam0_lr1e-4:lr=1e-4,lam=0 (keys: "
     f"{', '.join(sorted(rec.RECIPE_FIELDS))}).")
-_CARRY_OUT = flags.DEFINE_string(
-    "carry_out", None, "Copy what a later session needs to go on (stage markers, metrics, run "
-    "configs and each unfinished candidate's newest checkpoint) to this folder, with the warm "
-    "start's weights fingerprint, and stop.")
-_CARRY_IN = flags.DEFINE_string(
-    "carry_in", None, "Restore a --carry_out folder into --workdir first; refused unless the "
-    "warm start (--warm, rebuilt by the same command) has the same weights fingerprint.")
 _NOTES = flags.DEFINE_multi_string("notes", [], "Notes carried into --out (what the figures "
                                     "do and do not show).")
 _ONLY = flags.DEFINE_list("only", [], "Train only these candidates now (the others are read "
@@ -131,11 +125,11 @@ def main(argv):
                          f"--scale=cpu_rao --modes=recursive --stop_after=sft --workdir={warm}.")
   root = os.path.abspath(flags.FLAGS.workdir)
   cands = parse_candidates(_CANDIDATES.value)
-  if _CARRY_OUT.value:
-    print(json.dumps(carry_out(sft_dir, root, os.path.abspath(_CARRY_OUT.value))))
+  if carry.CARRY_OUT.value:
+    print(json.dumps(carry_out(sft_dir, root, os.path.abspath(carry.CARRY_OUT.value))))
     return
-  if _CARRY_IN.value:
-    print(json.dumps(carry_in(os.path.abspath(_CARRY_IN.value), sft_dir, root)))
+  if carry.CARRY_IN.value:
+    print(json.dumps(carry_in(os.path.abspath(carry.CARRY_IN.value), sft_dir, root)))
   stages = le._Stages(root)  # pylint: disable=protected-access
   if not flags.FLAGS.report_only:
     stages.run("val_before", val_stage(sft_dir, s0["val_tasks"]))
@@ -150,61 +144,16 @@ def main(argv):
       "scores": {n: c["score"] for n, c in out["candidates"].items()}}))
 
 
-# What a later session needs of a stage folder (the rest, trees and HTML, is rebuilt or read
-# from the committed JSON): relative paths, with the newest checkpoint added by carry_out.
-_CARRIED = ("stage.json", "metrics.jsonl", "config.json")
-
-
 def carry_out(sft_dir: str, root: str, dest: str, fingerprint=None) -> dict:
-  """Copies the portable state of the stages under `root` to `dest` (see --carry_out).
-
-  The runs' folders are not kept between sessions, and the warm start is rebuilt in each; an
-  unfinished candidate resumes from its newest checkpoint (a LoRA adapter and its optimizer
-  state) only on the same warm start, so the manifest records its weights fingerprint.
-  """
-  import shutil  # pylint: disable=g-import-not-at-top
-  fingerprint = fingerprint or rec.weights_fingerprint
-  manifest = {"warm_sha256": fingerprint(sft_dir), "files": []}
-  for dirpath, dirnames, filenames in os.walk(root):
-    rel = os.path.relpath(dirpath, root)
-    if os.path.basename(dirpath) == "checkpoints":
-      steps = sorted((d for d in dirnames if d.isdigit()), key=int)
-      dirnames[:] = []
-      if steps and not os.path.exists(os.path.join(os.path.dirname(dirpath), "stage.json")):
-        src = os.path.join(dirpath, steps[-1])
-        shutil.copytree(src, os.path.join(dest, rel, steps[-1]), dirs_exist_ok=True)
-        manifest["files"].append(os.path.join(rel, steps[-1]) + "/")
-      continue
-    for name in filenames:
-      if name in _CARRIED:
-        os.makedirs(os.path.join(dest, rel), exist_ok=True)
-        shutil.copy2(os.path.join(dirpath, name), os.path.join(dest, rel, name))
-        manifest["files"].append(os.path.normpath(os.path.join(rel, name)))
-  with open(os.path.join(dest, "manifest.json"), "w") as f:
-    json.dump(manifest, f, indent=1)
-  return manifest
+  """What a later session needs to go on (experiments/carry.py): stage markers, metrics, run
+  configs and each unfinished candidate's newest checkpoint, with the warm start's fingerprint."""
+  return carry.carry_out({"recursive": sft_dir}, root, dest,
+                         fingerprint or rec.weights_fingerprint)
 
 
 def carry_in(src: str, sft_dir: str, root: str, fingerprint=None) -> dict:
   """Restores a carry_out folder into `root` when the warm start in `sft_dir` is the same."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  fingerprint = fingerprint or rec.weights_fingerprint
-  with open(os.path.join(src, "manifest.json")) as f:
-    manifest = json.load(f)
-  mine = fingerprint(sft_dir)
-  if mine != manifest["warm_sha256"]:
-    raise app.UsageError(
-        f"--carry_in={src}: its stages ran on a warm start with weights {manifest['warm_sha256']}"
-        f", this one's are {mine}: they are not comparable. Run the candidates again here (drop "
-        "--carry_in).")
-  for rel in manifest["files"]:
-    a, b = os.path.join(src, rel), os.path.join(root, rel)
-    if rel.endswith("/"):
-      shutil.copytree(a, b, dirs_exist_ok=True)
-    else:
-      os.makedirs(os.path.dirname(b), exist_ok=True)
-      shutil.copy2(a, b)
-  return {"restored": len(manifest["files"]), "warm_sha256": mine}
+  return carry.carry_in(src, {"recursive": sft_dir}, root, fingerprint or rec.weights_fingerprint)
 
 
 def write(root: str, s0: dict, cands: dict[str, dict], out: str, notes=()) -> dict:

@@ -1,0 +1,105 @@
+"""A run's portable state, carried from one session to the next through the repository.
+
+The runs' folders are not kept between sessions, and a warm start (a full-parameter SFT of
+SmolLM2-135M, ~0.5 GB) is rebuilt in each by the same command. What a later session needs to go
+on is small: the stage markers (`stage.json`, each with its stage's result), metrics, run configs,
+and the checkpoints (LoRA adapters with their optimizer state) an unfinished stage resumes from
+or a pending evaluation reads. `carry_out` copies those, with the weights fingerprint of each warm
+start they were trained from; `carry_in` restores them only onto warm starts with the same
+fingerprints, since an adapter trained on other weights means nothing on these.
+
+Symlinked stage folders (a seed's warm-start stages, linked from the warm start's workdir) are
+not descended: they belong to the warm start's own carry.
+"""
+import json
+import os
+import shutil
+from typing import Callable, Mapping
+
+from absl import app
+from absl import flags
+
+# The experiments' flags (recursion_evidence, recursion_recipe).
+CARRY_OUT = flags.DEFINE_string(
+    "carry_out", None, "Copy what a later session needs to go on (stage markers, metrics, run "
+    "configs, the checkpoints an unfinished RL stage resumes from and a pending held-out "
+    "evaluation reads) to this folder, with the warm starts' weights fingerprints, and stop.")
+CARRY_IN = flags.DEFINE_string(
+    "carry_in", None, "Restore a --carry_out folder into --workdir first. The warm start is "
+    "rebuilt by the same command, and the carry is refused unless its weights have the "
+    "fingerprints the carry names.")
+
+# The files of a stage folder a later session reads (trees and HTML pages are rebuilt, or read
+# from the committed JSON).
+CARRIED = ("stage.json", "metrics.jsonl", "config.json")
+
+
+def checkpoint_steps(ckpt_dir: str) -> list[int]:
+  return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(
+      ckpt_dir) else []
+
+
+def carry_out(sft_dirs: Mapping[str, str], root: str, dest: str, fingerprint: Callable,
+              pending: Callable[[str], int | None] = lambda stage_dir: None) -> dict:
+  """Copies the portable state of the stages under `root` to `dest`; returns the manifest.
+
+  sft_dirs: {name: warm-start checkpoint folder} whose fingerprints the manifest records.
+  pending(stage_dir): the checkpoint step a not-yet-run evaluation of a stage will read (None:
+    none). An unfinished stage also keeps its newest checkpoint, to resume from.
+  """
+  manifest = {"warm_sha256": {k: fingerprint(v) for k, v in sft_dirs.items()}, "files": []}
+  for dirpath, dirnames, filenames in os.walk(root):
+    rel = os.path.relpath(dirpath, root)
+    if os.path.basename(dirpath) == "checkpoints":
+      dirnames[:] = []
+      stage_dir = os.path.dirname(dirpath)
+      steps = checkpoint_steps(dirpath)
+      keep = set()
+      if steps and not os.path.exists(os.path.join(stage_dir, "stage.json")):
+        keep.add(steps[-1])
+      if pending(stage_dir) is not None:
+        keep.add(int(pending(stage_dir)))
+      for step in sorted(keep & set(steps)):
+        shutil.copytree(os.path.join(dirpath, str(step)), os.path.join(dest, rel, str(step)),
+                        dirs_exist_ok=True)
+        manifest["files"].append(os.path.join(rel, str(step)) + "/")
+      continue
+    for name in filenames:
+      if name in CARRIED:
+        os.makedirs(os.path.join(dest, rel), exist_ok=True)
+        shutil.copy2(os.path.join(dirpath, name), os.path.join(dest, rel, name))
+        manifest["files"].append(os.path.normpath(os.path.join(rel, name)))
+  os.makedirs(dest, exist_ok=True)
+  with open(os.path.join(dest, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  return manifest
+
+
+def carry_in(src: str, sft_dirs: Mapping[str, str], root: str, fingerprint: Callable) -> dict:
+  """Restores a carry_out folder `src` into `root` when every warm start its manifest names has
+  the same weights here (`sft_dirs`, {name: checkpoint folder}); files already in `root` are
+  replaced, so a restored stage marker wins over a partial run of the same stage."""
+  with open(os.path.join(src, "manifest.json")) as f:
+    manifest = json.load(f)
+  want = manifest["warm_sha256"]
+  if isinstance(want, str):   # the recipe's first manifests named one warm start
+    want = {"recursive": want}
+  missing = sorted(set(want) - set(sft_dirs))
+  if missing:
+    raise app.UsageError(f"carry_in {src}: its stages ran on the warm starts {sorted(want)}, "
+                         f"and this run has none for {missing}.")
+  mine = {k: fingerprint(sft_dirs[k]) for k in want}
+  for k in want:
+    if mine[k] != want[k]:
+      raise app.UsageError(
+          f"carry_in {src}: its stages ran on a {k} warm start with weights {want[k]}, this "
+          f"one's are {mine[k]}: they are not comparable. Run those stages again here (drop "
+          "the carry).")
+  for rel in manifest["files"]:
+    a, b = os.path.join(src, rel), os.path.join(root, rel)
+    if rel.endswith("/"):
+      shutil.copytree(a, b, dirs_exist_ok=True)
+    else:
+      os.makedirs(os.path.dirname(b), exist_ok=True)
+      shutil.copy2(a, b)
+  return {"restored": len(manifest["files"]), "warm_sha256": mine}

@@ -1,0 +1,105 @@
+"""Carrying a run between sessions: what goes, what resumes, and refusal on other weights."""
+import json
+import os
+
+import pytest
+from absl import app
+
+from experiments import carry
+from experiments import recursion_evidence as rev
+from rao_jax import metrics as metrics_lib
+
+
+def _stage(d, result=None):
+  os.makedirs(d, exist_ok=True)
+  with open(os.path.join(d, "stage.json"), "w") as f:
+    json.dump({"minutes": 1.0, "result": result or {}}, f)
+
+
+def _rl(d, val, steps, complete):
+  w = metrics_lib.MetricsWriter(d, tensorboard=False)
+  for step, v in enumerate(val, 1):
+    w.write(step, {"success_val": v}, prefix="eval/")
+  w.close()
+  for st in steps:
+    ck = os.path.join(d, "checkpoints", str(st))
+    os.makedirs(ck)
+    open(os.path.join(ck, "state"), "w").write(f"{d}:{st}")
+  open(os.path.join(d, "config.json"), "w").write("{}")
+  if complete:
+    _stage(d, {"step": len(val)})
+
+
+def _seed_workdir(tmp_path):
+  """A warm start and a seed run on it, linked as --share_stages_from links them: the seed's
+  recursive RL is at step 3 of 4 (validation best at step 1), its single RL is complete with
+  its held-out evaluation still to run."""
+  warm, seed = str(tmp_path / "warm"), str(tmp_path / "seed")
+  for mode in ("recursive", "single"):
+    for st in ("demos", "sft", "eval_before"):
+      _stage(os.path.join(warm, mode, st))
+    os.makedirs(os.path.join(warm, mode, "sft", "checkpoints", "8"))
+  _stage(os.path.join(warm, "caps"))
+  assert "recursive/sft" in rev.share_stages(warm, seed, ("recursive", "single"))
+  _rl(os.path.join(seed, "recursive", "rl"), [0.9, 0.8, 0.85], (0, 1, 2, 3), complete=False)
+  _rl(os.path.join(seed, "single", "rl"), [0.1, 0.2, 0.2, 0.1], (0, 1, 2, 3, 4), complete=True)
+  return warm, seed
+
+
+def test_a_seed_carries_its_resume_point_and_the_checkpoints_its_evaluations_read(tmp_path):
+  warm, seed = _seed_workdir(tmp_path)
+  s = {"val_tasks": 16}
+  dest = str(tmp_path / "carry")
+  fp = {os.path.realpath(os.path.join(warm, m, "sft")): m[:3] for m in ("recursive", "single")}
+  fingerprint = lambda d: fp[os.path.realpath(d)]  # noqa: E731
+  m = carry.carry_out(rev.sft_dirs(seed, ("recursive", "single")), seed, dest, fingerprint,
+                      pending=lambda d: rev.pending_checkpoint(d, s))
+  assert m["warm_sha256"] == {"recursive": "rec", "single": "sin"}
+  ckpts = sorted(f for f in m["files"] if f.endswith("/"))
+  # recursive: the newest (resume) and the validation's pick (step 1); single: its pick (2).
+  assert ckpts == ["recursive/rl/checkpoints/1/", "recursive/rl/checkpoints/3/",
+                   "single/rl/checkpoints/2/"]
+  # The warm start's linked stages belong to the warm start's own carry.
+  assert not any(f.startswith(("recursive/sft", "caps", "recursive/eval_before"))
+                 for f in m["files"])
+  assert "single/rl/stage.json" in m["files"] and "recursive/rl/metrics.jsonl" in m["files"]
+
+  # A later session: the same warm start restores; other weights are refused by name.
+  again = str(tmp_path / "again")
+  rev.share_stages(warm, again, ("recursive", "single"))
+  with pytest.raises(app.UsageError, match=r"single warm start with weights sin, this one's "
+                     r"are xxx"):
+    carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again,
+                   lambda d: "xxx" if "single" in d else fingerprint(d))
+  got = carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again, fingerprint)
+  assert got["restored"] == len(m["files"])
+  rl = os.path.join(again, "recursive", "rl")
+  assert carry.checkpoint_steps(os.path.join(rl, "checkpoints")) == [1, 3]
+  assert not os.path.exists(os.path.join(rl, "stage.json"))        # it resumes
+  assert rev.val_pick(rl)[0] == 1
+  assert rev.pending_checkpoint(os.path.join(again, "single", "rl"), s) == 2
+
+  # Once the evaluation ran, its checkpoint is no longer carried.
+  _stage(os.path.join(seed, "single", "eval_after"))
+  m2 = carry.carry_out(rev.sft_dirs(seed, ("recursive", "single")), seed,
+                       str(tmp_path / "carry2"), fingerprint,
+                       pending=lambda d: rev.pending_checkpoint(d, s))
+  assert not any(f.startswith("single/rl/checkpoints") for f in m2["files"])
+
+
+def test_pending_checkpoint_without_a_validation_split_is_the_newest_of_a_complete_stage(
+    tmp_path):
+  d = str(tmp_path / "recursive" / "rl")
+  _rl(d, [], (0, 2, 4), complete=False)
+  assert rev.pending_checkpoint(d, {}) is None
+  _stage(d)
+  assert rev.pending_checkpoint(d, {}) == 4
+  assert rev.pending_checkpoint(str(tmp_path / "recursive" / "sft"), {}) is None
+
+
+def test_a_carry_naming_a_warm_start_this_run_lacks_is_refused(tmp_path):
+  dest = str(tmp_path / "c")
+  carry.carry_out({"recursive": "a", "single": "b"}, str(tmp_path / "empty"), dest,
+                  lambda d: d)
+  with pytest.raises(app.UsageError, match=r"none for \['single'\]"):
+    carry.carry_in(dest, {"recursive": "a"}, str(tmp_path / "x"), lambda d: d)
