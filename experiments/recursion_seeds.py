@@ -25,6 +25,10 @@ does not move when another seed lands.
       --seed_workdirs=0:runs/recursion,1:runs/recursion_rlseed1,2:runs/recursion_rlseed2
   # a workdir without its seed (`runs/recursion_rlseed3`) reads it from its RL stage's
   # config.json; --out (default benchmarks/results/recursion_seeds.json) gets a plot beside it.
+  # From the seeds' committed records (each seed's --carry_out folder, which leaves out the
+  # warm start's linked stages), the warm start's read from its own records:
+  python -m experiments.recursion_seeds --warm_workdir=benchmarks/results/recursion_runs/warm \
+      --seed_workdirs=benchmarks/results/recursion_runs/seed0,benchmarks/results/recursion_runs/seed1
 """
 import dataclasses
 import json
@@ -52,6 +56,11 @@ _EXPECTED_SEEDS = flags.DEFINE_list(
     "expected_seeds", ["0", "1", "2", "3", "4"],
     "The RL seeds the experiment is to have: those not landed are listed in `seeds_missing`.")
 _DIFFICULTY = flags.DEFINE_string("difficulty", "medium", "The held-out evaluations' difficulty.")
+_WARM = flags.DEFINE_string(
+    "warm_workdir", None, "Where a seed's workdir lacks the warm start's stages (a seed's "
+    "committed records under benchmarks/results/recursion_runs/seedK, which leave out what "
+    "they linked from the warm start): the warm start's workdir or records to read them from, "
+    "e.g. benchmarks/results/recursion_runs/warm.")
 _BOOT_REPS = flags.DEFINE_integer("boot_reps", BOOT_REPS, "Bootstrap resamples of each interval.")
 
 # Where a command line does not set --out (learning_evidence's default names its own result).
@@ -64,6 +73,8 @@ IMPROVED_SHARE_NEEDED = 0.8
 # The stages a seed's entry is built from, relative to its workdir.
 REQUIRED_STAGES = ("recursive/eval_before", "recursive/rl", "recursive/eval_after",
                    "single/eval_after")
+# Of those, the warm start's (shared by every seed, linked into its workdir).
+WARM_STAGES = ("recursive/eval_before",)
 
 
 def _per_task(ev: Mapping, field: str) -> dict:
@@ -335,10 +346,14 @@ def seed_minutes(workdir: str) -> float:
   return total
 
 
-def load_seed(workdir: str, rl_seed: int | None = None,
-              difficulty: str = "medium") -> tuple[SeedRun | None, list[str]]:
-  """A seed's SeedRun from its workdir, or (None, the REQUIRED_STAGES not yet complete)."""
+def load_seed(workdir: str, rl_seed: int | None = None, difficulty: str = "medium",
+              warm: str | None = None) -> tuple[SeedRun | None, list[str]]:
+  """A seed's SeedRun from its workdir, or (None, the REQUIRED_STAGES not yet complete); a
+  warm-start stage (WARM_STAGES) the workdir lacks is read from `warm` when given."""
   got = {s: _marker(os.path.join(workdir, s, "stage.json")) for s in REQUIRED_STAGES}
+  for s in WARM_STAGES:
+    if got[s] is None and warm:
+      got[s] = _marker(os.path.join(warm, s, "stage.json"))
   missing = [s for s, m in got.items() if m is None]
   if missing:
     return None, missing
@@ -372,13 +387,13 @@ def parse_seed_workdirs(specs) -> list[tuple[int | None, str]]:
 
 def write_from_workdirs(specs: list[tuple[int | None, str]], out: str, expected: list[int],
                         difficulty: str = "medium", reps: int = BOOT_REPS,
-                        plot: bool = True) -> dict:
+                        plot: bool = True, warm: str | None = None) -> dict:
   """The result file from the seeds' workdirs: landed seeds in `seeds`, a workdir whose stages
   are not all complete in `seeds_pending` (with what it lacks), absent seeds in
   `seeds_missing`."""
   runs, pending, sources = [], [], []
   for seed, path in specs:
-    run, missing = load_seed(path, seed, difficulty)
+    run, missing = load_seed(path, seed, difficulty, warm)
     if run is None:
       if seed is None:
         cfg = _marker(os.path.join(path, "recursive", "rl", "config.json")) or {}
@@ -452,7 +467,8 @@ def main(argv):
     specs = parse_seed_workdirs(_SEED_WORKDIRS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  result = write_from_workdirs(specs, out, expected, _DIFFICULTY.value, _BOOT_REPS.value)
+  result = write_from_workdirs(specs, out, expected, _DIFFICULTY.value, _BOOT_REPS.value,
+                               warm=_WARM.value)
   print(json.dumps({k: result[k] for k in ("complete", "seeds_missing", "across_seeds")}
                    | {"bar_met": result["bar"]["met"]}))
 

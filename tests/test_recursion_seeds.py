@@ -253,3 +253,19 @@ def test_seeds_read_from_their_workdirs(tmp_path):
   assert result["across_seeds"] == direct["across_seeds"]
   with pytest.raises(ValueError, match="no 'hard' evaluation"):
     rs.write_from_workdirs(specs[:1], out, EXPECTED, difficulty="hard", reps=REPS)
+
+
+def test_a_seeds_committed_records_read_the_warm_start_from_its_own(tmp_path):
+  """A seed's records leave out the warm start's linked stages; --warm_workdir supplies them."""
+  runs = _good_five()
+  warm, seed = str(tmp_path / "warm"), str(tmp_path / "seed1")
+  _stage(os.path.join(warm, "recursive", "eval_before"), {"medium": runs[1].before}, 15.0)
+  _workdir(seed, runs[1], warm)
+  os.unlink(os.path.join(seed, "recursive", "eval_before"))     # as carried: not there
+  assert rs.load_seed(seed)[1] == ["recursive/eval_before"]
+  got, missing = rs.load_seed(seed, warm=warm)
+  assert not missing and got.before == runs[1].before and got.rl_seed == 1
+  # Only the warm start's stages come from there: the seed's own must be its own.
+  _stage(os.path.join(warm, "single", "eval_after"), {"medium": runs[1].single_after}, 2.0)
+  os.remove(os.path.join(seed, "single", "eval_after", "stage.json"))
+  assert rs.load_seed(seed, warm=warm)[1] == ["single/eval_after"]
