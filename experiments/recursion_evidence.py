@@ -618,11 +618,15 @@ def main(argv):
                                      pending=lambda d: pending_checkpoint(d, s))))
     return
   stages = le._Stages(root)  # pylint: disable=protected-access
+  caps_ran = not os.path.exists(os.path.join(root, "caps", "stage.json"))
   caps = stages.run("caps", lambda d: run_caps(s, d, _REPL.value))
-  caps_out = os.path.abspath(_CAPS_OUT.value)
-  os.makedirs(os.path.dirname(caps_out), exist_ok=True)
-  with open(caps_out, "w") as f:
-    json.dump({"scale": scale, "minutes": stages.minutes["caps"], **caps}, f, indent=2)
+  if caps_ran or _CAPS_OUT.present:
+    # Written when the stage ran now (or --caps_out is named), so that a run resumed or linked
+    # to another's caps does not overwrite the committed result of another scale.
+    caps_out = os.path.abspath(_CAPS_OUT.value)
+    os.makedirs(os.path.dirname(caps_out), exist_ok=True)
+    with open(caps_out, "w") as f:
+      json.dump({"scale": scale, "minutes": stages.minutes["caps"], **caps}, f, indent=2)
   print(json.dumps({k: caps[k] for k in ("single_agent_upper_bound", "verdict")}), flush=True)
   if _STAGES.value == "caps":
     return
