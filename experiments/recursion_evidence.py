@@ -436,24 +436,31 @@ async def _collect_demos(config, s: dict, mode: str, tokenizer) -> list:
   return kept
 
 
-def reading_stage(src: str, name: str):
-  """A greedy held-out reading `name` (READINGS) of the checkpoint in `src`."""
+def reading_stage(src: str, name: str, step: int | None = None):
+  """A greedy held-out reading `name` (READINGS) of the checkpoint `step` (None: the newest)
+  in `src`."""
   r = READINGS[name]
 
   def fn(d):
     from rao_jax import evaluation  # pylint: disable=g-import-not-at-top
-    res = evaluation.evaluate_checkpoint(src, num_tasks=r["tasks"], modes=("recursive",),
+    res = evaluation.evaluate_checkpoint(src, step=step, num_tasks=r["tasks"],
+                                         modes=("recursive",),
                                          difficulties=(r["difficulty"],), out_dir=d,
                                          overrides=r["overrides"])
-    return res["modes"]["recursive"][r["difficulty"]]
+    out = res["modes"]["recursive"][r["difficulty"]]
+    if step is not None:
+      out["checkpoint"] = {"step": step, "chosen_by": "validation split"}
+    return out
   return fn
 
 
-def run_readings(root: str, which: str, names=tuple(READINGS)) -> dict:
-  """The readings of the warm start (`which="before"`) or of the RL policy ("after")."""
+def run_readings(root: str, which: str, names=tuple(READINGS), s: dict | None = None) -> dict:
+  """The readings of the warm start (`which="before"`) or of the RL policy ("after": the step
+  the held-out evaluation after RL reads, `eval_after_stage`'s choice)."""
   stages = le._Stages(os.path.join(root, "recursive"))  # pylint: disable=protected-access
   src = os.path.join(root, "recursive", "sft" if which == "before" else "rl")
-  return {n: stages.run(f"reading_{n}_{which}", reading_stage(src, n)) for n in names}
+  step = val_pick(src)[0] if which == "after" and (s or {}).get("val_tasks") else None
+  return {n: stages.run(f"reading_{n}_{which}", reading_stage(src, n, step)) for n in names}
 
 
 def share_stages(src: str, root: str, modes) -> list[str]:
@@ -513,14 +520,18 @@ def sft_dirs(root: str, modes) -> dict[str, str]:
 
 
 def pending_checkpoint(stage_dir: str, s: dict) -> int | None:
-  """The checkpoint step the held-out evaluation after an RL stage will read while that
-  evaluation has not run (`eval_after_stage`'s choice: the validation split's step, else the
-  newest of a complete stage); None for other stages or once it ran."""
-  if os.path.basename(stage_dir) != "rl" or os.path.exists(
-      os.path.join(os.path.dirname(stage_dir), "eval_after", "stage.json")):
+  """The checkpoint step the held-out evaluations after an RL stage will read while one has not
+  run: `eval_after`, and each reading taken before RL whose reading after is not taken
+  (`eval_after_stage`'s choice: the validation split's step, else the newest of a complete
+  stage); None for other stages or once they all ran."""
+  mode_dir = os.path.dirname(stage_dir)
+  done = lambda name: os.path.exists(os.path.join(mode_dir, name, "stage.json"))  # noqa: E731
+  readings_left = [n for n in READINGS
+                   if done(f"reading_{n}_before") and not done(f"reading_{n}_after")]
+  if os.path.basename(stage_dir) != "rl" or (done("eval_after") and not readings_left):
     return None
   step = val_pick(stage_dir)[0] if s.get("val_tasks") else None
-  if step is None and os.path.exists(os.path.join(stage_dir, "stage.json")):
+  if step is None and done("rl"):
     steps = carry.checkpoint_steps(os.path.join(stage_dir, "checkpoints"))
     step = steps[-1] if steps else None
   return step
@@ -643,8 +654,8 @@ def main(argv):
   for mode in _flag("modes"):
     run_stages(mode, s, root)
   if "recursive" in _flag("modes") and _READINGS.value:
-    run_readings(root, "before", tuple(_READINGS.value))
-    run_readings(root, "after", tuple(_READINGS.value))
+    run_readings(root, "before", tuple(_READINGS.value), s)
+    run_readings(root, "after", tuple(_READINGS.value), s)
   result = write_report(scale, s, root, _flag("modes"), out, _REPLICATIONS.value)
   print(json.dumps({k: result[k] for k in ("modes", "vs_single", "readings", "minutes", "bar")}))
 

@@ -85,6 +85,15 @@ def test_a_seed_carries_its_resume_point_and_the_checkpoints_its_evaluations_rea
                        str(tmp_path / "carry2"), fingerprint,
                        pending=lambda d: rev.pending_checkpoint(d, s))
   assert not any(f.startswith("single/rl/checkpoints") for f in m2["files"])
+  # A reading taken of the warm start keeps the pick until its reading after RL is taken.
+  _stage(os.path.join(seed, "recursive", "rl"), {"step": 4})
+  _stage(os.path.join(seed, "recursive", "eval_after"))
+  rl = os.path.join(seed, "recursive", "rl")
+  assert rev.pending_checkpoint(rl, s) is None
+  _stage(os.path.join(seed, "recursive", "reading_hard_before"))
+  assert rev.pending_checkpoint(rl, s) == 1
+  _stage(os.path.join(seed, "recursive", "reading_hard_after"))
+  assert rev.pending_checkpoint(rl, s) is None
 
 
 def test_pending_checkpoint_without_a_validation_split_is_the_newest_of_a_complete_stage(
@@ -103,3 +112,15 @@ def test_a_carry_naming_a_warm_start_this_run_lacks_is_refused(tmp_path):
                   lambda d: d)
   with pytest.raises(app.UsageError, match=r"none for \['single'\]"):
     carry.carry_in(dest, {"recursive": "a"}, str(tmp_path / "x"), lambda d: d)
+
+
+def test_readings_after_rl_read_the_step_the_held_out_evaluation_reads(tmp_path, monkeypatch):
+  root = str(tmp_path)
+  _rl(os.path.join(root, "recursive", "rl"), [0.9, 0.95, 0.8], (1, 2, 3), complete=True)
+  seen = []
+  monkeypatch.setattr(rev, "reading_stage", lambda src, name, step=None: (
+      lambda d: seen.append((os.path.basename(src), name, step)) or {}))
+  rev.run_readings(root, "after", ("hard",), {"val_tasks": 16})
+  rev.run_readings(root, "before", ("hard",), {"val_tasks": 16})
+  rev.run_readings(str(tmp_path / "noval"), "after", ("other_world",), {})
+  assert seen == [("rl", "hard", 2), ("sft", "hard", None), ("rl", "other_world", None)]
