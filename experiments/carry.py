@@ -77,8 +77,9 @@ def carry_out(sft_dirs: Mapping[str, str], root: str, dest: str, fingerprint: Ca
 
 def carry_in(src: str, sft_dirs: Mapping[str, str], root: str, fingerprint: Callable) -> dict:
   """Restores a carry_out folder `src` into `root` when every warm start its manifest names has
-  the same weights here (`sft_dirs`, {name: checkpoint folder}); files already in `root` are
-  replaced, so a restored stage marker wins over a partial run of the same stage."""
+  the same weights here (`sft_dirs`, {name: checkpoint folder}). A stage this run already
+  completed keeps its own files; any other carried file replaces what `root` has, so a carried
+  stage marker wins over a partial run of the same stage."""
   with open(os.path.join(src, "manifest.json")) as f:
     manifest = json.load(f)
   want = manifest["warm_sha256"]
@@ -95,11 +96,25 @@ def carry_in(src: str, sft_dirs: Mapping[str, str], root: str, fingerprint: Call
           f"carry_in {src}: its stages ran on a {k} warm start with weights {want[k]}, this "
           f"one's are {mine[k]}: they are not comparable. Run those stages again here (drop "
           "the carry).")
+  # Stages this run completed itself keep their own files (decided before anything is copied).
+  own = {_stage_of(os.path.join(root, rel)) for rel in manifest["files"]}
+  own = {d for d in own if os.path.exists(os.path.join(d, "stage.json"))}
+  restored = kept = 0
   for rel in manifest["files"]:
     a, b = os.path.join(src, rel), os.path.join(root, rel)
+    if _stage_of(b) in own and os.path.exists(b.rstrip("/")):
+      kept += 1
+      continue
     if rel.endswith("/"):
       shutil.copytree(a, b, dirs_exist_ok=True)
     else:
       os.makedirs(os.path.dirname(b), exist_ok=True)
       shutil.copy2(a, b)
-  return {"restored": len(manifest["files"]), "warm_sha256": mine}
+    restored += 1
+  return {"restored": restored, "kept_own": kept, "warm_sha256": mine}
+
+
+def _stage_of(path: str) -> str:
+  """The stage folder of a carried path: a file's folder, or a checkpoint's RL stage."""
+  d = os.path.dirname(path.rstrip("/"))
+  return os.path.dirname(d) if os.path.basename(d) == "checkpoints" else d

@@ -71,6 +71,13 @@ def test_a_seed_carries_its_resume_point_and_the_checkpoints_its_evaluations_rea
                      r"are xxx"):
     carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again,
                    lambda d: "xxx" if "single" in d else fingerprint(d))
+  # A stage this session completed itself (here the single RL) keeps its own record.
+  _stage(os.path.join(again, "single", "rl"), {"step": 4, "mine": True})
+  got = carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again, fingerprint)
+  assert got["restored"] + got["kept_own"] == len(m["files"]) and got["kept_own"] == 1
+  with open(os.path.join(again, "single", "rl", "stage.json")) as f:
+    assert json.load(f)["result"]["mine"]
+  os.remove(os.path.join(again, "single", "rl", "stage.json"))
   got = carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again, fingerprint)
   assert got["restored"] == len(m["files"])
   rl = os.path.join(again, "recursive", "rl")
