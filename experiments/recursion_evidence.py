@@ -92,7 +92,9 @@ _REPLICATIONS = flags.DEFINE_list(
     "their held-out figures go into this result's `replications`.")
 _STOP_AFTER = flags.DEFINE_enum(
     "stop_after", None, list(STAGES), "Run each mode's stages up to this one and stop (e.g. "
-    "`sft`: rebuild the warm start a committed adapter was trained from).")
+    "`sft`: rebuild the warm start a committed adapter was trained from). From `eval_before` "
+    "on, the warm start's --readings are taken too (`--readings=` for none), so that the "
+    "seeds linking this workdir with --share_stages_from share them.")
 _REPL = flags.DEFINE_enum("repl", "local", ["local", "sandbox"],
                           "REPLs of the `caps` stage: in-process (the scripted code is ours) "
                           "or the config's sandbox (bwrap), as model-written code runs.")
@@ -650,6 +652,9 @@ def main(argv):
     names = STAGES[:STAGES.index(_STOP_AFTER.value) + 1]
     for mode in _flag("modes"):
       run_stages(mode, s, root, names)
+    if "eval_before" in names and "recursive" in modes and _READINGS.value:
+      # The warm start's readings, so that seeds linking this workdir share them.
+      run_readings(root, "before", tuple(_READINGS.value), s)
     return
   for mode in _flag("modes"):
     run_stages(mode, s, root)

@@ -314,3 +314,26 @@ def test_unknown_reading_is_refused_before_any_stage(tmp_path):
   assert p.returncode != 0
   assert "['harder'] are not readings; choose among hard, other_world" in p.stderr
   assert not os.path.exists(tmp_path / "w")      # refused before the first stage
+
+
+@pytest.mark.parametrize("stop,readings,taken", [
+    ("eval_before", "hard,other_world", [("before", ("hard", "other_world"))]),
+    ("eval_before", "", []), ("sft", "hard", [])])
+def test_stopping_at_the_warm_start_takes_its_readings_for_the_seeds_to_share(
+    tmp_path, monkeypatch, stop, readings, taken):
+  from absl import flags
+  from absl.testing import flagsaver
+  calls = []
+  monkeypatch.setattr(rev, "run_caps", lambda s, d, repl: {
+      "single_agent_upper_bound": {}, "verdict": {}})
+  monkeypatch.setattr(rev, "run_stages", lambda mode, s, root, names=(): calls.append(
+      ("stages", mode, tuple(names))))
+  monkeypatch.setattr(rev, "run_readings", lambda root, which, names, s=None: calls.append(
+      (which, tuple(names))))
+  with flagsaver.flagsaver():
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["rec", "--scale=tiny", f"--workdir={tmp_path}/w", f"--stop_after={stop}",
+                 f"--readings={readings}", f"--caps_out={tmp_path}/caps.json"])
+    rev.main([])
+  assert [c for c in calls if c[0] != "stages"] == taken
+  assert [c[1] for c in calls if c[0] == "stages"] == ["recursive", "single"]
