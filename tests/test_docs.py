@@ -233,6 +233,9 @@ def test_five_seed_results_replace_the_placeholder(tmp_path, monkeypatch):
   assert "improves held-out success over five RL seeds" in head
   assert "With the corrected credit assignment: 5 RL seeds" in head
   assert "being rerun" not in head and "seed 1: 40/64 -> 33/64" in head
+  row = gen.gen_results_table("README.md").splitlines()[2]
+  assert "5 RL seeds of the fixed recipe" in row and "--scale=cpu_rao_seeds" in row
+  assert "paper's baseline: seed 0: 40/64 -> 62/64" in row
   seeds["across_seeds"]["ci95"] = [-0.02, 0.14]
   (res / "recursion_seeds.json").write_text(json.dumps(seeds))
   assert "does not clear its bar" in gen.gen_recursion_headline("README.md")
