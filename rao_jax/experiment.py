@@ -562,7 +562,20 @@ def assemble(config, workdir: str) -> RunParts:
       train_judge=judge_spec(config, "train"), eval_judge=judge_spec(config, "eval"),
       warmup=bool(config.get("warmup", True)), eval_every=int(config.eval.every),
       num_html_trees=int(config.eval.num_html_trees),
+      stop_at_success=_stop_at_success(config),
       tensorboard=bool(config.log.tensorboard), progress=bool(config.log.progress))
+
+
+def _stop_at_success(config) -> float:
+  """config.eval.stop_at_success, checked: a success in [0, 1] (0: never stop early)."""
+  v = float(config.eval.get("stop_at_success", 0.0))
+  if not 0.0 <= v <= 1.0:
+    raise ValueError(f"config.eval.stop_at_success={v}: a success in [0, 1] (0 = never stop "
+                     "early; 1.0 = stop once an evaluation solves every task).")
+  if v > 0 and int(config.eval.every) <= 0:
+    raise ValueError(f"config.eval.stop_at_success={v} needs in-loop evaluations: set "
+                     "config.eval.every >= 1 (or stop_at_success = 0).")
+  return v
 
 
 @dataclasses.dataclass

@@ -296,7 +296,8 @@ class RunParts:
     train_judge, eval_judge: who scores the nodes no verifier covers, in each phase.
     warmup: compile the engine's and the learner's shapes before step 1.
     eval_every: steps between in-loop evaluations (<= 0: none); num_html_trees: trees each
-      evaluation's HTML page shows.
+      evaluation's HTML page shows; stop_at_success: end training once an evaluation reaches
+      this success on every set (0: never).
     tensorboard: also write TensorBoard events; progress: show the progress bar.
   """
   workdir: str
@@ -325,6 +326,7 @@ class RunParts:
   num_html_trees: int
   tensorboard: bool
   progress: bool
+  stop_at_success: float = 0.0
 
   @property
   def remat(self) -> str:

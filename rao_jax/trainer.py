@@ -72,7 +72,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -364,9 +364,10 @@ class Trainer:
       await self.sync_weights(state.step)
       # After the first sync: the engine's programs are specialised to the synced weights'
       # arrays (warmed on the weights it was built with, step 1 compiled them all again).
-      if self.parts.warmup and state.step < total:
+      state.reached = self.success_reached_before(state.step)
+      if self.parts.warmup and state.step < total and state.reached is None:
         state.warmup_s = await asyncio.to_thread(self.warmup)
-      while state.step < total:
+      while state.step < total and state.reached is None:
         m = await self.rl_step(runner, state, stopper.guard)
         await hooks_lib.run_hooks(hooks, state.step, total, m)
     except _StopRequested:
@@ -401,9 +402,31 @@ class Trainer:
       ) from unavailable
     plot = (metrics_lib.plot_metrics(self.metrics.path, os.path.join(self.workdir, "plot.png"))
             if self.main else None)
+    if state.reached is not None:
+      log.info("Training ended at step %d of %d: the evaluation after step %d reached "
+               "config.eval.stop_at_success=%s, so no later step could be chosen.", state.step,
+               total, state.reached, self.parts.stop_at_success)
     return {"step": state.step, "stopped": stopped, "eval": state.last_eval, "plot": plot,
+            "stopped_at_success": state.reached,
             "workdir": self.workdir, "checkpoint": self.learner.latest_checkpoint_step(),
             "checkpoint_failures": len(self.learner.checkpoint_failures)}
+
+  def reaches_stop_success(self, evaluation: Mapping[str, float], prefix: str = "") -> bool:
+    """Whether an evaluation's metrics reach config.eval.stop_at_success on every set."""
+    want = self.parts.stop_at_success
+    keys = [f"{prefix}success_{name}" for name, _ in self.parts.eval_sets]
+    return bool(want > 0 and keys and all(
+        evaluation.get(k) is not None and evaluation[k] >= want for k in keys))
+
+  def success_reached_before(self, step: int) -> int | None:
+    """On resume: the first step <= `step` whose logged evaluation reached
+    config.eval.stop_at_success (then this run trains no further), else None."""
+    path = self.metrics.path
+    if self.parts.stop_at_success <= 0 or step <= 0 or not path or not os.path.exists(path):
+      return None
+    hits = [int(r["step"]) for r in metrics_lib.read_metrics(path)
+            if int(r.get("step", 0)) <= step and self.reaches_stop_success(r, "eval/")]
+    return min(hits) if hits else None
 
   def warmup(self) -> float:
     """Compiles every shape of the rollout engine and of the learner's step (row buckets)
@@ -536,6 +559,8 @@ class Trainer:
       state.last_eval = await stopper.guard(self.evaluate(repls, step))
       state.last_eval["time/eval_s"] = time.perf_counter() - t_eval
       self.metrics.write(step, state.last_eval, prefix="eval/")
+      if self.reaches_stop_success(state.last_eval):
+        state.reached = step   # the loop ends after this step's checkpoint
 
     def checkpoint(step, m):
       del m
@@ -575,6 +600,7 @@ class RunState:
     next_batch: with overlap, the collection of `step`'s trees started during the last update.
     last_eval: the newest evaluation's metrics.
     warmup_s: seconds of the warm-up before the first step, reported with that step.
+    reached: the step whose evaluation reached config.eval.stop_at_success (the loop ends).
   """
   step: int
   guard: "NonFiniteGuard"
@@ -582,6 +608,7 @@ class RunState:
   next_batch: asyncio.Future | None = None
   last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
   warmup_s: float | None = None
+  reached: int | None = None
 
 
 class _NoMetrics:

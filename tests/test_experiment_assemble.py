@@ -48,3 +48,16 @@ except ValueError:
   out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
   assert out.stdout.strip() == "started before: [False]", out.stdout + out.stderr[-2000:]
+
+
+def test_stop_at_success_is_checked_against_its_range_and_needs_evaluations():
+  from experiments.configs import textcraft_synth
+  from rao_jax import experiment as X
+  c = textcraft_synth.get_config("recursive,smoke")
+  assert X._stop_at_success(c) == 0.0   # pylint: disable=protected-access
+  c.eval.stop_at_success = 1.5
+  with pytest.raises(ValueError, match=r"stop_at_success=1.5: a success in \[0, 1\]"):
+    X._stop_at_success(c)   # pylint: disable=protected-access
+  c.eval.stop_at_success, c.eval.every = 1.0, 0
+  with pytest.raises(ValueError, match="needs in-loop evaluations: set config.eval.every"):
+    X._stop_at_success(c)   # pylint: disable=protected-access

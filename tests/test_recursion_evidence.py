@@ -135,6 +135,10 @@ def test_rl_config_of_the_lora_scale_carries_the_adapter_and_the_task_mix():
   w = X.task_weights(tasks, c.rl.task_weights)
   two = [len(t.fields["target_items"]) == 2 for t in tasks]
   assert all((x == 3.0) == y for x, y in zip(w, two))
+  assert c.eval.stop_at_success == 0.0            # no validation split: no early end
+  # With a validation split RL ends once a step solves it: no later step could be read.
+  v = rev.rl_config_for("recursive", rev._SCALES["cpu_rao_seeds"])
+  assert (v.eval.split, v.eval.every, v.eval.stop_at_success) == ("val", 1, 1.0)
 
 
 def test_report_reads_the_further_readings_and_keeps_earlier_attempts(tmp_path):

@@ -165,3 +165,30 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(tiny_hf_dir, tm
   out = subprocess.run(cmd2, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout + out.stderr
   assert [r["step"] for r in _metrics(wd) if "train/success" in r] == list(range(1, done + 2))
+
+
+def test_training_ends_once_an_evaluation_reaches_stop_at_success(tiny_hf_dir, tmp_path,
+                                                                  monkeypatch):
+  """With eval.stop_at_success, the loop ends after the step whose evaluation reaches it (its
+  checkpoint saved), and the same command run again trains no further."""
+  from rao_jax import trainer
+  successes = {1: 0.5, 2: 1.0, 3: 1.0, 4: 1.0}
+  seen = []
+
+  async def evaluate(self, repls, step):   # the evaluation's figures, not its trees
+    del repls
+    seen.append(step)
+    return {f"success_{name}": successes[step] for name, _ in self.parts.eval_sets}
+
+  monkeypatch.setattr(trainer.Trainer, "evaluate", evaluate)
+  c = _config(tiny_hf_dir, 4)
+  c.eval.every, c.eval.stop_at_success, c.log.tensorboard = 1, 1.0, False
+  wd = str(tmp_path / "run")
+  res = trainer.train(c, wd)
+  assert (res["step"], res["stopped_at_success"], res["checkpoint"]) == (2, 2, 2)
+  assert seen == [1, 2] and not res["stopped"]
+  assert [r["step"] for r in _metrics(wd) if "train/success" in r] == [1, 2]
+  res = trainer.train(c, wd)            # resumed: its metrics already reached it
+  assert (res["step"], res["stopped_at_success"]) == (2, 2) and seen == [1, 2]
+  c.eval.stop_at_success = 0.0          # off: the run goes on to its total
+  assert trainer.train(c, wd)["step"] == 4 and seen == [1, 2, 3, 4]

@@ -167,6 +167,11 @@ def base_config() -> config_dict.ConfigDict:
   c.eval.num_tasks = 16              # held-out tasks per difficulty
   c.eval.split = "test"              # "test": held-out tasks | "val": the validation split
   c.eval.num_html_trees = 4          # trees rendered to HTML at each evaluation
+  # Stop training once an in-loop evaluation reaches this success on every evaluated set
+  # (0 = never). At 1.0 with the checkpoint chosen as the earliest best evaluation (a
+  # validation split), no later step could be chosen: the steps after it would be spent for
+  # nothing. A resumed run whose metrics already show it trains no further.
+  c.eval.stop_at_success = 0.0
 
   c.log = config_dict.ConfigDict()
   c.log.tensorboard = True
