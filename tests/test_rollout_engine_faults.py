@@ -136,3 +136,22 @@ def test_max_consecutive_faults_is_validated():
     with pytest.raises(ValueError, match=r"EngineConfig.max_consecutive_faults=.*int >= 1"):
       EngineConfig(max_consecutive_faults=bad)
   assert EngineConfig(max_consecutive_faults=1).max_consecutive_faults == 1
+
+
+def test_a_control_whose_caller_gave_up_still_runs_and_is_no_fault(model):
+  """A control or weight update whose caller cancelled its future (a cancelled task, a
+  timeout) runs all the same; answering the cancelled future must not count as a failed step
+  (which would fail every running request and rebuild the engine)."""
+  import concurrent.futures
+  engine = EmbeddedEngine(model, **CFG)
+  ran = []
+  with engine._cv:   # the scheduler thread reads neither until both are cancelled
+    control = engine._control(lambda: ran.append("control"))
+    swap = engine._swap(engine._as_params(model), "v2")
+    assert control.cancel() and swap.cancel()
+  res = asyncio.run(_all(engine, [_req(p) for p in PROMPTS]))
+  assert [r.finish_reason for r in res] == [FinishReason.LENGTH] * len(PROMPTS)
+  assert ran == ["control"] and engine.weight_version == "v2"
+  assert engine.stats["faults"] == 0 and engine.failure is None
+  with pytest.raises(concurrent.futures.CancelledError):
+    control.result(0)

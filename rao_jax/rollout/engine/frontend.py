@@ -505,15 +505,12 @@ class EmbeddedEngine(Engine):
       try:
         table.waiting.extend(inbox)
         for fn, fut in controls:
-          try:
-            fut.set_result(fn())
-          except Exception as e:   # noqa: BLE001 - handed to the caller
-            fut.set_exception(e)
+          _settle(fut, fn)
         if weights is not None:
           params, self._version = weights
           self._sched.set_params(params)
           for fut in waiters:
-            fut.set_result(None)
+            _settle(fut, lambda: None)
         if closed:
           self._abort_where(lambda r: True, "engine closed")
           return
@@ -574,10 +571,9 @@ class EmbeddedEngine(Engine):
       waiters, self._weight_waiters = self._weight_waiters, []
       self._pending_weights = None
     self._abort_where(lambda r: True, msg, FinishReason.ERROR, EngineFailedError(msg))
-    for _, fut in controls:
-      fut.set_exception(EngineFailedError(msg))
-    for fut in waiters:
-      fut.set_exception(EngineFailedError(msg))
+    for fut in [f for _, f in controls] + waiters:
+      if fut.set_running_or_notify_cancel():   # a caller that gave up needs no answer
+        fut.set_exception(EngineFailedError(msg))
 
   def _abort_where(self, pred, message, reason: FinishReason = FinishReason.ABORT,
                    error: Exception | None = None):
@@ -629,3 +625,22 @@ def _call_soon(loop, fn) -> None:
 
 
 __all__ = ["EmbeddedEngine"]
+
+
+def _settle(fut: concurrent.futures.Future, fn) -> None:
+  """Runs a control ``fn`` for the caller waiting on ``fut`` and hands it the outcome. A caller
+  that gave up (its future cancelled: an awaiting task cancelled, a timeout) still has ``fn``
+  run, since the engine's state may depend on it, but gets nothing: setting a cancelled
+  future's result raises, which the scheduler would take for a failed device step and fail
+  every running request for."""
+  wanted = fut.set_running_or_notify_cancel()
+  try:
+    result = fn()
+  except Exception as e:   # noqa: BLE001 - handed to the caller
+    if wanted:
+      fut.set_exception(e)
+    else:
+      log.warning("An engine control whose caller gave up failed: %r", e)
+    return
+  if wanted:
+    fut.set_result(result)
