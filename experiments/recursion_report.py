@@ -63,9 +63,11 @@ def summarize(raw: dict, root: str) -> dict:
       m["paired"] = a and le._paired(b["per_task"], a["per_task"])  # pylint: disable=protected-access
       shapes = {st: le.tree_shapes(os.path.join(root, mode, st, "trees.jsonl"))
                 for st in ("eval_before", "eval_after")}
+      # From the trees where they are on disk, else from the stage's own result (a warm start
+      # restored from its committed records has no trees).
       m["delegating_share"] = {
-          "before": (shapes["eval_before"] or {}).get("delegating_share"),
-          "after": (shapes["eval_after"] or {}).get("delegating_share")}
+          "before": (shapes["eval_before"] or b).get("delegating_share"),
+          "after": (shapes["eval_after"] or a or {}).get("delegating_share")}
       m["success_by_num_targets"] = {
           "before": (shapes["eval_before"] or {}).get("success_by_num_targets"),
           "after": (shapes["eval_after"] or {}).get("success_by_num_targets")}
