@@ -122,9 +122,11 @@ def seeds_summary(seeds: dict) -> str:
   text = f"{len(rows)} RL seed{'s' if len(rows) != 1 else ''} of the fixed recipe"
   if a:
     lo, hi = a["ci95"]
+    # recursion_seeds lists the seeds (improved: [0, 2]); a count is accepted too.
+    n_of = lambda v: len(v) if isinstance(v, list) else int(v)  # noqa: E731
     text += (f": mean paired effect {signed(a['mean_delta'])} [{lo:.2f}, {hi:.2f}] "
-             f"(IQM {signed(a['iqm_delta'])}), {a['improved']} of {len(rows)} seeds improved, "
-             f"{a['worse_significant']} significantly worse")
+             f"(IQM {signed(a['iqm_delta'])}), {n_of(a['improved'])} of {len(rows)} seeds "
+             f"improved, {n_of(a['worse_significant'])} significantly worse")
   return text
 
 
@@ -146,7 +148,9 @@ def gen_recursion_headline(page: str) -> str:
   if seeds and seeds.get("seeds"):
     rows = seeds["seeds"]
     if a and len(rows) >= 5:
-      cleared = a["ci95"][0] > 0 and a["improved"] >= 4 and a["worse_significant"] == 0
+      n_of = lambda v: len(v) if isinstance(v, list) else int(v)  # noqa: E731
+      cleared = (a["ci95"][0] > 0 and n_of(a["improved"]) >= 4
+                 and n_of(a["worse_significant"]) == 0)
       verdict = ("improves held-out success over five RL seeds" if cleared else
                  "does not clear its bar over five RL seeds")
     else:

@@ -239,6 +239,11 @@ def test_five_seed_results_replace_the_placeholder(tmp_path, monkeypatch):
   seeds["across_seeds"]["ci95"] = [-0.02, 0.14]
   (res / "recursion_seeds.json").write_text(json.dumps(seeds))
   assert "does not clear its bar" in gen.gen_recursion_headline("README.md")
+  # recursion_seeds.json lists the seeds that improved and that are significantly worse.
+  seeds["across_seeds"].update(improved=[0, 1, 2, 3], worse_significant=[4], ci95=[0.05, 0.14])
+  (res / "recursion_seeds.json").write_text(json.dumps(seeds))
+  head = gen.gen_recursion_headline("README.md")
+  assert "4 of 5 seeds improved, 1 significantly worse" in head and "does not clear" in head
   seeds["seeds"] = seeds["seeds"][:2]
   del seeds["across_seeds"]
   (res / "recursion_seeds.json").write_text(json.dumps(seeds))
