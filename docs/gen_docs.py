@@ -115,6 +115,11 @@ def recursion_runs() -> list[dict]:
   return sorted(runs, key=lambda r: r["seed"])
 
 
+def n_of(v) -> int:
+  """How many seeds: recursion_seeds.json lists them (improved: [0, 2]); a count is read too."""
+  return len(v) if isinstance(v, list) else int(v)
+
+
 def seeds_summary(seeds: dict) -> str:
   """One sentence over `recursion_seeds.json` (the five-seed replication)."""
   rows = seeds.get("seeds", [])
@@ -122,8 +127,6 @@ def seeds_summary(seeds: dict) -> str:
   text = f"{len(rows)} RL seed{'s' if len(rows) != 1 else ''} of the fixed recipe"
   if a:
     lo, hi = a["ci95"]
-    # recursion_seeds lists the seeds (improved: [0, 2]); a count is accepted too.
-    n_of = lambda v: len(v) if isinstance(v, list) else int(v)  # noqa: E731
     text += (f": mean paired effect {signed(a['mean_delta'])} [{lo:.2f}, {hi:.2f}] "
              f"(IQM {signed(a['iqm_delta'])}), {n_of(a['improved'])} of {len(rows)} seeds "
              f"improved, {n_of(a['worse_significant'])} significantly worse")
@@ -148,7 +151,6 @@ def gen_recursion_headline(page: str) -> str:
   if seeds and seeds.get("seeds"):
     rows = seeds["seeds"]
     if a and len(rows) >= 5:
-      n_of = lambda v: len(v) if isinstance(v, list) else int(v)  # noqa: E731
       cleared = (a["ci95"][0] > 0 and n_of(a["improved"]) >= 4
                  and n_of(a["worse_significant"]) == 0)
       verdict = ("improves held-out success over five RL seeds" if cleared else

@@ -57,8 +57,9 @@ def carry_out(sft_dirs: Mapping[str, str], root: str, dest: str, fingerprint: Ca
       keep = set()
       if steps and not os.path.exists(os.path.join(stage_dir, "stage.json")):
         keep.add(steps[-1])
-      if pending(stage_dir) is not None:
-        keep.add(int(pending(stage_dir)))
+      wanted = pending(stage_dir)
+      if wanted is not None:
+        keep.add(int(wanted))
       for step in sorted(keep & set(steps)):
         shutil.copytree(os.path.join(dirpath, str(step)), os.path.join(dest, rel, str(step)),
                         dirs_exist_ok=True)
