@@ -26,6 +26,7 @@ def _load_gen():
 
 
 gen = _load_gen()
+ref = sys.modules["gen_reference"]   # the reference pages' renderer, imported by gen_docs
 
 
 def _read(page):
@@ -137,7 +138,7 @@ def test_commands_name_configs_and_fields_that_exist(page, cmd):
   args = shlex.split(cmd.replace("[", "").replace("]", ""))
   spec = next(a for a in args if a.startswith("--config="))[len("--config="):]
   path, _, arg = spec.partition(":")
-  mod = gen._import_path(os.path.join(ROOT, path), "cfg_" + os.path.basename(path)[:-3])
+  mod = ref._import_path(os.path.join(ROOT, path), "cfg_" + os.path.basename(path)[:-3])
   cfg = mod.get_config(arg or None)
   base.check_keys(cfg)
   for a in args:
@@ -265,8 +266,8 @@ def test_an_unknown_generated_block_is_an_error():
 
 
 def test_config_reference_lists_every_field_with_a_meaning():
-  fields = gen.config_fields()
-  text = gen.gen_config_md()
+  fields = ref.config_fields()
+  text = ref.gen_config_md()
   missing = [f.path for f in fields if not f.comment]
   assert not missing, f"config fields without a comment in base.py: {missing}"
   for f in fields:
@@ -274,10 +275,10 @@ def test_config_reference_lists_every_field_with_a_meaning():
 
 
 def test_options_are_read_from_the_comment_only_when_the_default_is_one():
-  assert gen._options('"node": A(v) = R(v) - b_k | "tree": root\'s A', "node") == ["node", "tree"]
-  assert gen._options("activation checkpointing: auto (x) | none | dots | full", "auto") == [
+  assert ref._options('"node": A(v) = R(v) - b_k | "tree": root\'s A', "node") == ["node", "tree"]
+  assert ref._options("activation checkpointing: auto (x) | none | dots | full", "auto") == [
       "auto", "none", "dots", "full"]
-  assert gen._options("embedded | sglang", "other") == []
+  assert ref._options("embedded | sglang", "other") == []
 
 
 def test_recipe_table_follows_the_json(tmp_path, monkeypatch):
