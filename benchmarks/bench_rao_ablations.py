@@ -83,6 +83,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+# pylint: disable-next=wrong-import-position
+from rao_jax.stats import percentile_ci95, sign_flip_p, stratified_bootstrap_means  # noqa: E402
 
 # RAO's credit assignment as the paper specifies it: the leave-one-out mean of the other roots'
 # R, and a group whose roots got equal rewards keeps its terms. The library's default has since
@@ -471,46 +473,10 @@ BOOT = 10_000   # bootstrap replicates
 
 
 def _boot_means(rows, n: int = BOOT, seed: int = 0) -> np.ndarray:
-  """Means of a two-level (hierarchical) bootstrap of per-seed task values.
-
-  Each replicate draws the seeds with replacement, then, for each drawn seed, its tasks with
-  replacement, and averages every drawn value with each seed weighted alike. Percentiles of
-  these means are intervals that stay inside the range of the values (for successes, [0, 1]),
-  unlike a t-interval near 0 or 1, and that count both the seeds' spread and the tasks'.
-
-  Args:
-    rows: one 1-D array per seed (its tasks' values; lengths may differ).
-    n: replicates.
-    seed: the bootstrap's own randomness (fixed: a report is reproducible).
-
-  Returns:
-    [n] replicate means.
-  """
-  rng = np.random.default_rng(seed)
-  rows = [np.asarray(r, float) for r in rows]
-  seeds_nxS = rng.integers(0, len(rows), size=(n, len(rows)))
-  out_nxS = np.empty(seeds_nxS.shape)
-  for s, r in enumerate(rows):
-    # Every slot that drew seed s gets its own draw of s's tasks.
-    hit = seeds_nxS == s
-    draws = rng.integers(0, len(r), size=(int(hit.sum()), len(r)))
-    out_nxS[hit] = r[draws].mean(axis=1)
-  return out_nxS.mean(axis=1)
-
-
-def _percentile_ci(replicates) -> list[float]:
-  lo, hi = np.percentile(replicates, [2.5, 97.5])
-  return [float(lo), float(hi)]
-
-
-def _sign_flip_p(deltas) -> float:
-  """Two-sided p of the exact sign-flip test of paired per-seed differences: under "no
-  difference" each seed's difference is as likely negated, so the observed |mean| is ranked
-  among the 2^n means of every sign pattern."""
-  d = np.asarray(deltas, float)
-  signs = np.array(np.meshgrid(*[[-1.0, 1.0]] * len(d))).reshape(len(d), -1)
-  means = np.abs(d @ signs) / len(d)
-  return float(np.mean(means >= abs(d.mean()) - 1e-12))
+  """[n] means of a two-level bootstrap of per-seed task values (seeds, then each drawn seed's
+  tasks; `rao_jax.stats.stratified_bootstrap_means`), each seed weighted alike. Percentiles of
+  them stay inside the values' range and count both the seeds' spread and the tasks'."""
+  return stratified_bootstrap_means(rows, n, np.random.default_rng(seed)).mean(axis=1)
 
 
 def _seed_stat(vals) -> dict:
@@ -518,7 +484,7 @@ def _seed_stat(vals) -> dict:
   range), and the per-seed values."""
   vals = np.asarray(vals, float)
   return {"mean": round(float(vals.mean()), 4),
-          "ci95": [round(x, 4) for x in _percentile_ci(_boot_means([[v] for v in vals]))],
+          "ci95": [round(x, 4) for x in percentile_ci95(_boot_means([[v] for v in vals]))],
           "per_seed": [round(float(v), 4) for v in vals]}
 
 
@@ -527,9 +493,9 @@ def _paired_stat(deltas, rows=None) -> dict:
   and paired tasks where `rows` gives each seed's per-task differences, else over seeds), the
   exact sign-flip p over the seeds, and how many seeds went each way."""
   d = np.asarray(deltas, float)
-  ci = _percentile_ci(_boot_means(rows if rows is not None else [[x] for x in d]))
+  ci = percentile_ci95(_boot_means(rows if rows is not None else [[x] for x in d]))
   return {"delta": round(float(d.mean()), 4), "ci95": [round(x, 4) for x in ci],
-          "p_sign_flip": round(_sign_flip_p(d), 4),
+          "p_sign_flip": round(sign_flip_p(d), 4),
           "seeds_up_down_tied": [int((d > 0).sum()), int((d < 0).sum()), int((d == 0).sum())],
           "per_seed": [round(float(x), 4) for x in d],
           "significant": bool(ci[0] > 0 or ci[1] < 0)}
@@ -575,7 +541,7 @@ def _comparison_result(name: str, results: dict[str, dict[int, dict]]) -> dict:
     solved = [list(runs[s]["eval_by_task"].values()) for s in seeds]
     arms[v] = {"overrides": dict(VARIANTS[v]), "seeds": seeds,
                "held_out": {"mean": round(float(np.mean([np.mean(x) for x in solved])), 4),
-                            "ci95": [round(x, 4) for x in _percentile_ci(_boot_means(solved))],
+                            "ci95": [round(x, 4) for x in percentile_ci95(_boot_means(solved))],
                             "solved": f"{int(sum(map(sum, solved)))}/{sum(map(len, solved))}",
                             "per_seed": [round(float(np.mean(x)), 4) for x in solved]}}
     for k in ARM_KEYS:

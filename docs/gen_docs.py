@@ -24,33 +24,23 @@ import ast
 import glob
 import hashlib
 import json
-import math
 import os
 import re
 import sys
 from typing import Any, Callable
 
-# The reference pages' renderer is the sibling module; this script runs by path (and tests load
-# it by path), so its folder is put on the path to import it.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_reference import md_cell, gen_api_md, gen_config_md  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# This script runs by path (and tests load it by path): its folder (the reference pages'
+# renderer) and the repository (the statistics, numpy only) are put on the path to import them.
+sys.path[:0] = [p for p in (os.path.dirname(os.path.abspath(__file__)), ROOT) if p not in sys.path]
+# pylint: disable=wrong-import-position
+from gen_reference import gen_api_md, gen_config_md, md_cell  # noqa: E402
+from rao_jax.stats import wilson_ci95  # noqa: E402
+# pylint: enable=wrong-import-position
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 # ------------------------------------------------------------------------------ statistics
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-  """Wilson score 95% interval of k successes in n trials; inside [0, 1] for every k and n."""
-  if n <= 0:
-    raise ValueError(f"wilson: n={n}; an interval needs at least one trial.")
-  p = k / n
-  den = 1 + z * z / n
-  mid = (p + z * z / (2 * n)) / den
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-  return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def count(rate: float, n: int) -> int:
@@ -64,7 +54,7 @@ def count(rate: float, n: int) -> int:
 def frac(rate: float, n: int) -> str:
   """'k/n [lo, hi]' with the Wilson interval."""
   k = count(rate, n)
-  lo, hi = wilson(k, n)
+  lo, hi = wilson_ci95(k, n)
   return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
 
 

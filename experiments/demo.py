@@ -164,8 +164,8 @@ def _minutes_since(t: float) -> float:
 def wilson(k: int, n: int) -> tuple[float, float]:
   """Wilson score 95% interval of k successes in n; unlike the normal approximation (which
   gives [-0.48, 1.48] on two tasks) it stays inside [0, 1]."""
-  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
-  return X.wilson_ci95(k, n) if n > 0 else (0.0, 1.0)
+  from rao_jax import stats  # pylint: disable=g-import-not-at-top
+  return stats.wilson_ci95(k, n) if n > 0 else (0.0, 1.0)
 
 
 def print_summary(mic: dict, smol: dict, outputs: dict, sft_res: dict | None = None) -> None:

@@ -118,11 +118,11 @@ def config_for(mode: str, s: dict):
 def _paired(before: dict, after: dict) -> dict:
   """Mean paired difference after - before over the same tasks, with a normal 95% interval."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  from rao_jax import stats  # pylint: disable=g-import-not-at-top
   ids = sorted(before)
   d = np.asarray([after[i] - before[i] for i in ids])
   # A normal interval of the mean difference, inside the range differences live in: [-1, 1].
-  lo, hi = X.mean_ci95(d, (-1.0, 1.0)) if len(d) > 1 else (0.0, 0.0)
+  lo, hi = stats.mean_ci95(d, (-1.0, 1.0)) if len(d) > 1 else (0.0, 0.0)
   return {"delta": float(d.mean()), "ci95": [lo, hi], "n": len(ids),
           "improved": int((d > 0).sum()), "worsened": int((d < 0).sum()),
           "excludes_zero": bool(lo > 0 or hi < 0)}

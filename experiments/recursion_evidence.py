@@ -269,16 +269,16 @@ def tokenizer_for(name: str):
 
 def wilson95(k: int, n: int) -> list[float]:
   """Wilson 95% interval of k successes in n (the normal one collapses at 0 and 1)."""
-  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
-  return list(X.wilson_ci95(k, n)) if n else [0.0, 0.0]
+  from rao_jax import stats  # pylint: disable=g-import-not-at-top
+  return list(stats.wilson_ci95(k, n)) if n else [0.0, 0.0]
 
 
 def rate(values) -> dict:
   """Success of a list of 0/1 values: mean, normal and Wilson 95% intervals, counts."""
-  from rao_jax import experiment as X  # pylint: disable=g-import-not-at-top
+  from rao_jax import stats  # pylint: disable=g-import-not-at-top
   values = [float(v) for v in values]
   k = int(round(sum(values)))
-  lo, hi = X.binomial_ci95(values)
+  lo, hi = stats.binomial_ci95(values)
   return {"success": sum(values) / max(len(values), 1), "ci95": [lo, hi],
           "wilson95": wilson95(k, len(values)), "successes": k, "n": len(values)}
 

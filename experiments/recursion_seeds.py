@@ -39,12 +39,14 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from rao_jax.stats import iqm, percentile_ci95, stratified_bootstrap_means, task_bootstrap_means
+
 # Importing learning_evidence defines --out (and its other flags), which main reads.
 from experiments import learning_evidence  # noqa: F401  pylint: disable=unused-import
 from experiments.recursion_evidence import wilson95
 from experiments.recursion_report import READINGS, rl_minutes
 
-BOOT_SEED = 45        # the issue's number: any fixed value makes the file reproducible
+BOOT_SEED = 45        # any fixed value makes the file reproducible
 # At 10,000 resamples, over 20 generator seeds: an across-seed interval's ends moved by at most
 # 0.006, a seed's own by at most one task (1/64: its paired means live on that grid).
 BOOT_REPS = 10_000
@@ -141,47 +143,6 @@ def _rng(stream: int, rl_seed: int = 0) -> np.random.Generator:
   return np.random.default_rng([BOOT_SEED, stream, int(rl_seed)])
 
 
-def _ci95(samples) -> list[float]:
-  lo, hi = np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5])
-  return [float(lo), float(hi)]
-
-
-def iqm(x, axis: int = -1):
-  """Interquartile mean as rliable defines it (scipy's trim_mean at 0.25): the mean of the
-  values left after dropping floor(n / 4) of the lowest and as many of the highest."""
-  x = np.sort(np.asarray(x, dtype=np.float64), axis=axis)
-  n = x.shape[axis]
-  if n == 0:
-    raise ValueError("iqm: no values.")
-  cut = n // 4
-  return np.take(x, np.arange(cut, n - cut), axis=axis).mean(axis=axis)
-
-
-def task_bootstrap_means(d_N: np.ndarray, reps: int, rng: np.random.Generator) -> np.ndarray:
-  """Means of `reps` resamples (with replacement) of the per-task values `d_N`."""
-  idx = rng.integers(0, len(d_N), size=(reps, len(d_N)))
-  return d_N[idx].mean(axis=1)
-
-
-def stratified_bootstrap_means(diffs: list[np.ndarray], reps: int,
-                               rng: np.random.Generator) -> np.ndarray:
-  """[reps, seeds] per-slot means: each resample draws as many seeds as there are, with
-  replacement, and for each drawn slot resamples that seed's tasks with replacement (a seed
-  drawn twice gets two independent task resamples, as a second run of it would)."""
-  n_K = np.asarray([len(d) for d in diffs])
-  k, n_max = len(diffs), int(n_K.max())
-  padded_KxN = np.zeros((k, n_max))
-  for i, d in enumerate(diffs):
-    padded_KxN[i, :len(d)] = d
-  seed_RxK = rng.integers(0, k, size=(reps, k))
-  n_RxK = n_K[seed_RxK]
-  # Uniform draws scaled by each slot's task count: one array serves seeds of any count.
-  task_RxKxN = (rng.random((reps, k, n_max)) * n_RxK[..., None]).astype(np.int64)
-  vals = padded_KxN[seed_RxK[..., None], task_RxKxN]
-  used = np.arange(n_max) < n_RxK[..., None]
-  return (vals * used).sum(axis=-1) / n_RxK
-
-
 def _success(ev: Mapping, field: str) -> tuple[float, list[float]]:
   per = _per_task(ev, field)
   k = sum(per.values())
@@ -202,12 +163,13 @@ def seed_entry(run: SeedRun, reps: int = BOOT_REPS) -> dict:
       "before": before, "before_wilson95": before_ci,
       "after": after, "after_wilson95": after_ci,
       "paired": {"delta": float(d.mean()), "n": len(d),
-                 "ci95": _ci95(task_bootstrap_means(d, reps, _rng(_PAIRED, run.rl_seed)))},
+                 "ci95": percentile_ci95(task_bootstrap_means(d, reps,
+                                                              _rng(_PAIRED, run.rl_seed)))},
       "delegating_share": {"before": float(run.before["delegating_share"]),
                            "after": float(run.after["delegating_share"])},
       "vs_single": {"delta": float(vs.mean()), "n": len(vs),
-                    "ci95": _ci95(task_bootstrap_means(vs, reps,
-                                                       _rng(_VS_SINGLE, run.rl_seed))),
+                    "ci95": percentile_ci95(task_bootstrap_means(vs, reps,
+                                                                 _rng(_VS_SINGLE, run.rl_seed))),
                     "single_after": single, "single_after_wilson95": single_ci},
       "minutes": float(run.minutes),
   }
@@ -226,8 +188,8 @@ def across_seeds(runs: list[SeedRun], entries: list[dict] | None = None,
                                         _rng(_ACROSS))
   return {
       "n_seeds": len(runs),
-      "mean_delta": float(deltas.mean()), "ci95": _ci95(boot_RxK.mean(axis=1)),
-      "iqm_delta": float(iqm(deltas)), "iqm_ci95": _ci95(iqm(boot_RxK, axis=1)),
+      "mean_delta": float(deltas.mean()), "ci95": percentile_ci95(boot_RxK.mean(axis=1)),
+      "iqm_delta": float(iqm(deltas)), "iqm_ci95": percentile_ci95(iqm(boot_RxK, axis=1)),
       "improved": [e["rl_seed"] for e in entries if e["paired"]["delta"] > 0],
       "worse_significant": [e["rl_seed"] for e in entries if e["paired"]["ci95"][1] < 0],
   }

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from rao_jax import experiment as X
 from rao_jax.collection import RolloutProgress
 from rao_jax import metrics as metrics_lib
+from rao_jax import stats
 from rao_jax.agent import records as R
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
           reporter.cancel()
         wall = time.perf_counter() - t0
         succ = [t.root.success or 0.0 for t in trees]
-        lo, hi = X.binomial_ci95(succ)
+        lo, hi = stats.binomial_ci95(succ)
         per_mode[diff] = {"success": X.success_rate(trees), "ci95": [lo, hi],
                           "num_tasks": len(trees), "wall_s": wall,
                           "per_task": {t.task_id: s for t, s in zip(trees, succ)},

@@ -594,38 +594,3 @@ class RolloutStats:
 def success_rate(trees) -> float:
   return float(np.mean([t.root.success or 0.0 for t in trees])) if trees else 0.0
 
-
-def binomial_ci95(successes: Sequence[float]) -> tuple[float, float]:
-  """95% interval of a success rate (a mean of values in [0, 1]) that stays inside [0, 1].
-
-  0/1 outcomes get Wilson's score interval: the normal one collapses to a point at 0 and 1
-  and leaves [0, 1] on a few tasks (two tasks, one solved: [-0.48, 1.48]). Fractional scores
-  (a judge's, a share of parts) get the normal interval of their mean, clipped to [0, 1].
-  """
-  x = np.asarray(successes, np.float64)
-  if x.size == 0:
-    return (0.0, 0.0)
-  if np.all((x == 0.0) | (x == 1.0)):
-    return wilson_ci95(int(x.sum()), x.size)
-  return mean_ci95(x, (0.0, 1.0))
-
-
-def wilson_ci95(k: int, n: int) -> tuple[float, float]:
-  """Wilson's score 95% interval of k successes in n (n > 0), inside [0, 1]."""
-  z, p = 1.96, k / n
-  mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-  half = z * float(np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-  return (max(0.0, mid - half), min(1.0, mid + half))
-
-
-def mean_ci95(values: Sequence[float], bounds: tuple[float, float] = (-np.inf, np.inf)
-              ) -> tuple[float, float]:
-  """Normal-approximation 95% interval of a mean, clipped to `bounds` (the values' range: a
-  paired difference of successes lies in [-1, 1])."""
-  x = np.asarray(values, np.float64)
-  if x.size == 0:
-    return (0.0, 0.0)
-  m = float(x.mean())
-  half = 1.96 * float(x.std(ddof=1) if x.size > 1 else 0.0) / np.sqrt(x.size)
-  return (max(bounds[0], m - half), min(bounds[1], m + half))
-

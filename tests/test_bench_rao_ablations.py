@@ -34,21 +34,6 @@ def test_paper_arms_pin_the_papers_credit_and_default_arms_the_librarys():
                 and k != "rl.drop_equal_groups"})
 
 
-def test_bootstrap_intervals_stay_inside_the_unit_interval():
-  near_one = [np.r_[np.ones(31), 0.0]] + [np.ones(32)] * 7   # a t-interval would pass 1
-  lo, hi = bench._percentile_ci(bench._boot_means(near_one, n=2000))
-  assert 0.0 <= lo < np.mean([r.mean() for r in near_one]) <= hi <= 1.0
-  assert bench._percentile_ci(bench._boot_means([np.ones(32)] * 8, n=500)) == [1.0, 1.0]
-  # Seeds weigh alike whatever their task counts.
-  assert np.allclose(bench._boot_means([[0.0], [1.0, 1.0, 1.0]], n=4000).mean(), 0.5, atol=0.03)
-
-
-def test_sign_flip_p_is_exact():
-  assert np.isclose(bench._sign_flip_p(np.ones(8)), 2 / 256)
-  assert bench._sign_flip_p([1.0, -1.0, 2.0, -2.0]) == 1.0
-  assert np.isclose(bench._sign_flip_p([3.0, 1.0, 1.0]), 2 / 8)
-
-
 def _run(solved: dict[str, float], groups_equal: float) -> dict:
   steps = 30
   return {"success": [0.5] * steps, "delegating": [0.6] * steps, "eval_by_task": solved,

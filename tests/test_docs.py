@@ -163,20 +163,6 @@ def test_runnable_blocks_are_found():
 # ---------------------------------------------------------------------------- the generator
 
 
-@pytest.mark.parametrize("k,n", [(0, 2), (1, 2), (2, 2), (0, 64), (62, 64), (64, 64), (1, 1)])
-def test_wilson_interval_stays_in_unit_interval(k, n):
-  lo, hi = gen.wilson(k, n)
-  assert 0.0 <= lo <= k / n <= hi <= 1.0
-  if 0 < k < n:
-    assert lo > 0 and hi < 1
-
-
-def test_wilson_matches_a_known_value():
-  # 1 success of 2: the normal approximation gives [-0.19, 1.19]; Wilson [0.095, 0.905].
-  lo, hi = gen.wilson(1, 2)
-  assert (round(lo, 3), round(hi, 3)) == (0.095, 0.905)
-
-
 def test_count_refuses_a_rate_that_is_not_whole_tasks():
   assert gen.count(0.625, 64) == 40
   with pytest.raises(ValueError, match="not a whole number"):

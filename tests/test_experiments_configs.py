@@ -163,20 +163,6 @@ def test_evaluation_overrides_set_known_keys_and_name_unknown_ones():
     evaluation.apply_overrides(c, {"agnt.max_depth": 7})
 
 
-def test_binomial_ci():
-  # Wilson's interval on 100 tasks, half solved: close to the normal one there.
-  lo, hi = X.binomial_ci95([1.0] * 50 + [0.0] * 50)
-  assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * 0.5025 / 10, rel=3e-2)
-  # Few tasks and the ends stay inside [0, 1] (the normal interval gave [-0.48, 1.48]).
-  assert X.binomial_ci95([1.0, 0.0]) == pytest.approx((0.0945, 0.9055), abs=1e-3)
-  lo, hi = X.binomial_ci95([1.0] * 15 + [0.0])
-  assert 0.0 <= lo < 0.9375 < hi <= 1.0
-  assert X.binomial_ci95([1.0] * 4)[1] == 1.0 and X.binomial_ci95([1.0] * 4)[0] > 0.4
-  # Fractional scores: the normal interval of the mean, clipped.
-  assert X.binomial_ci95([1.0, 0.9, 1.0])[1] == 1.0
-  assert X.mean_ci95([-1.0, 1.0, -1.0], (-1.0, 1.0))[0] == -1.0
-
-
 def test_row_shorter_than_the_context_window_is_refused():
   c = textcraft_synth.get_config("recursive,ctx=8192")
   c.learner.row_len = 2048

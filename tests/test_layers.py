@@ -19,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     # Leaves: the package root (docs), the logical-axis sharding table (kernels and model both
     # place arrays by it), the tree schema (plain data the agent writes and the learner reads),
-    # the host allocator setting.
-    ["rao_jax", "rao_jax.model.sharding", "rao_jax.agent.records", "rao_jax.host_memory"],
+    # the host allocator setting, the statistics of results (numpy only).
+    ["rao_jax", "rao_jax.model.sharding", "rao_jax.agent.records", "rao_jax.host_memory",
+     "rao_jax.stats"],
     ["rao_jax.kernels"],                      # platform kernels
     ["rao_jax.model"],                        # the policy model, weights, tokenizer
     # Generation, the REPL sandbox and the learner: each needs the model at most, and none of

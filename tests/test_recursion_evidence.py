@@ -7,6 +7,7 @@ import pytest
 from experiments import recursion_evidence as rev
 from experiments import recursion_report as rep
 from rao_jax import experiment as X
+from rao_jax import stats
 from rao_jax.agent import chat, records as R
 
 
@@ -29,7 +30,7 @@ def test_wilson_interval():
   assert lo < 0.05 < hi and hi == pytest.approx(0.1118, abs=1e-4)
   r = rev.rate([1, 0, 0, 0])
   assert r["success"] == 0.25 and r["successes"] == 1 and r["n"] == 4
-  assert r["ci95"] == pytest.approx(list(X.binomial_ci95([1, 0, 0, 0])))
+  assert r["ci95"] == pytest.approx(list(stats.binomial_ci95([1, 0, 0, 0])))
 
 
 def test_caps_stage_separates_recursive_from_single(tmp_path):
