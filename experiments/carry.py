@@ -8,13 +8,19 @@ or a pending evaluation reads. `carry_out` copies those, with the weights finger
 start they were trained from; `carry_in` restores them only onto warm starts with the same
 fingerprints, since an adapter trained on other weights means nothing on these.
 
+The same command gives the same weights on CPUs of one kind, not across kinds: XLA's CPU
+kernels take different paths by instruction set (AVX2 against AVX-512), and a full SFT ends a
+few ulps apart. So a warm start can have several committed records, one per CPU kind
+(`recursion_runs/warm`, `recursion_runs/warm_<sha8>`); `carry_in` takes them all and restores
+the one whose fingerprints match, and each manifest names the CPU it was made on.
+
 Symlinked stage folders (a seed's warm-start stages, linked from the warm start's workdir) are
 not descended: they belong to the warm start's own carry.
 """
 import json
 import os
 import shutil
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from absl import app
 from absl import flags
@@ -24,14 +30,33 @@ CARRY_OUT = flags.DEFINE_string(
     "carry_out", None, "Copy what a later session needs to go on (stage markers, metrics, run "
     "configs, the checkpoints an unfinished RL stage resumes from and a pending held-out "
     "evaluation reads) to this folder, with the warm starts' weights fingerprints, and stop.")
-CARRY_IN = flags.DEFINE_string(
+CARRY_IN = flags.DEFINE_list(
     "carry_in", None, "Restore a --carry_out folder into --workdir first. The warm start is "
     "rebuilt by the same command, and the carry is refused unless its weights have the "
-    "fingerprints the carry names.")
+    "fingerprints the carry names. Several folders (comma-separated; a warm start's records "
+    "from CPUs of different kinds): the one whose fingerprints match is restored.")
 
 # The files of a stage folder a later session reads (trees and HTML pages are rebuilt, or read
 # from the committed JSON).
 CARRIED = ("stage.json", "metrics.jsonl", "config.json")
+
+
+def cpu_signature() -> dict:
+  """The CPU a run's numbers come from: its model name and the instruction sets that change
+  XLA's kernels (and so the weights a warm start ends with)."""
+  model, flags_ = "unknown", set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+          model = value.strip()
+        elif key.strip() == "flags" and not flags_:
+          flags_ = set(value.split())
+  except OSError:
+    pass
+  return {"model": model, "isa": [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+                                  if x in flags_]}
 
 
 def checkpoint_steps(ckpt_dir: str) -> list[int]:
@@ -47,7 +72,8 @@ def carry_out(sft_dirs: Mapping[str, str], root: str, dest: str, fingerprint: Ca
   pending(stage_dir): the checkpoint step a not-yet-run evaluation of a stage will read (None:
     none). An unfinished stage also keeps its newest checkpoint, to resume from.
   """
-  manifest = {"warm_sha256": {k: fingerprint(v) for k, v in sft_dirs.items()}, "files": []}
+  manifest = {"warm_sha256": {k: fingerprint(v) for k, v in sft_dirs.items()},
+              "cpu": cpu_signature(), "files": []}
   for dirpath, dirnames, filenames in os.walk(root):
     rel = os.path.relpath(dirpath, root)
     if os.path.basename(dirpath) == "checkpoints":
@@ -76,27 +102,47 @@ def carry_out(sft_dirs: Mapping[str, str], root: str, dest: str, fingerprint: Ca
   return manifest
 
 
-def carry_in(src: str, sft_dirs: Mapping[str, str], root: str, fingerprint: Callable) -> dict:
-  """Restores a carry_out folder `src` into `root` when every warm start its manifest names has
-  the same weights here (`sft_dirs`, {name: checkpoint folder}). A stage this run already
-  completed keeps its own files; any other carried file replaces what `root` has, so a carried
-  stage marker wins over a partial run of the same stage."""
+def _manifest(src: str) -> tuple[dict, dict]:
   with open(os.path.join(src, "manifest.json")) as f:
     manifest = json.load(f)
   want = manifest["warm_sha256"]
   if isinstance(want, str):   # the recipe's first manifests named one warm start
     want = {"recursive": want}
-  missing = sorted(set(want) - set(sft_dirs))
-  if missing:
-    raise app.UsageError(f"carry_in {src}: its stages ran on the warm starts {sorted(want)}, "
-                         f"and this run has none for {missing}.")
-  mine = {k: fingerprint(sft_dirs[k]) for k in want}
-  for k in want:
-    if mine[k] != want[k]:
-      raise app.UsageError(
-          f"carry_in {src}: its stages ran on a {k} warm start with weights {want[k]}, this "
-          f"one's are {mine[k]}: they are not comparable. Run those stages again here (drop "
-          "the carry).")
+  return manifest, want
+
+
+def carry_in(srcs: str | Sequence[str], sft_dirs: Mapping[str, str], root: str,
+             fingerprint: Callable) -> dict:
+  """Restores a carry_out folder into `root` when every warm start its manifest names has the
+  same weights here (`sft_dirs`, {name: checkpoint folder}); of several folders (`srcs`), the
+  first that matches. A stage this run already completed keeps its own files; any other carried
+  file replaces what `root` has, so a carried stage marker wins over a partial run of the same
+  stage."""
+  srcs = [srcs] if isinstance(srcs, str) else list(srcs)
+  mine, refused = {}, []
+  for src in srcs:
+    manifest, want = _manifest(src)
+    missing = sorted(set(want) - set(sft_dirs))
+    if missing:
+      raise app.UsageError(f"carry_in {src}: its stages ran on the warm starts {sorted(want)}, "
+                           f"and this run has none for {missing}.")
+    mine.update({k: fingerprint(sft_dirs[k]) for k in want if k not in mine})
+    bad = [k for k in want if mine[k] != want[k]]
+    if not bad:
+      break
+    cpu = manifest.get("cpu")
+    made_on = (f"made on {cpu['model']} ({', '.join(cpu['isa'])})" if cpu
+               else "its manifest names no CPU")
+    refused.append(f"{src} ran on {', '.join(f'{k} {want[k][:8]}' for k in bad)}, {made_on}")
+  else:
+    here = cpu_signature()
+    raise app.UsageError(
+        f"carry_in: no folder matches this run's warm start "
+        f"({', '.join(f'{k} {v[:8]}' for k, v in mine.items())}, made here on {here['model']} "
+        f"({', '.join(here['isa'])})): {'; '.join(refused)}. Adapters and evaluations of other "
+        "weights are not comparable. The same command gives other weights on a CPU of another "
+        "kind (XLA's kernels differ by instruction set): run the stages again here without "
+        "the carry, and carry them out to a folder of their own.")
   # Stages this run completed itself keep their own files (decided before anything is copied).
   own = {_stage_of(os.path.join(root, rel)) for rel in manifest["files"]}
   own = {d for d in own if os.path.exists(os.path.join(d, "stage.json"))}
@@ -112,7 +158,7 @@ def carry_in(src: str, sft_dirs: Mapping[str, str], root: str, fingerprint: Call
       os.makedirs(os.path.dirname(b), exist_ok=True)
       shutil.copy2(a, b)
     restored += 1
-  return {"restored": restored, "kept_own": kept, "warm_sha256": mine}
+  return {"restored": restored, "kept_own": kept, "warm_sha256": mine, "from": src}
 
 
 def _stage_of(path: str) -> str:

@@ -650,7 +650,8 @@ def main(argv):
   if carry.CARRY_IN.value:
     for mode in modes:   # the warm start the carry's fingerprints are checked against
       run_stages(mode, s, root, ("demos", "sft"))
-    print(json.dumps(carry.carry_in(os.path.abspath(carry.CARRY_IN.value), sft_dirs(root, modes),
+    print(json.dumps(carry.carry_in([os.path.abspath(p) for p in carry.CARRY_IN.value],
+                                    sft_dirs(root, modes),
                                     root, weights_fingerprint)), flush=True)
   if _STOP_AFTER.value:
     names = STAGES[:STAGES.index(_STOP_AFTER.value) + 1]

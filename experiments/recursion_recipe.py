@@ -129,7 +129,7 @@ def main(argv):
     print(json.dumps(carry_out(sft_dir, root, os.path.abspath(carry.CARRY_OUT.value))))
     return
   if carry.CARRY_IN.value:
-    print(json.dumps(carry_in(os.path.abspath(carry.CARRY_IN.value), sft_dir, root)))
+    print(json.dumps(carry_in([os.path.abspath(p) for p in carry.CARRY_IN.value], sft_dir, root)))
   stages = le._Stages(root)  # pylint: disable=protected-access
   if not flags.FLAGS.report_only:
     stages.run("val_before", val_stage(sft_dir, s0["val_tasks"]))
@@ -151,8 +151,9 @@ def carry_out(sft_dir: str, root: str, dest: str, fingerprint=None) -> dict:
                          fingerprint or rec.weights_fingerprint)
 
 
-def carry_in(src: str, sft_dir: str, root: str, fingerprint=None) -> dict:
-  """Restores a carry_out folder into `root` when the warm start in `sft_dir` is the same."""
+def carry_in(src, sft_dir: str, root: str, fingerprint=None) -> dict:
+  """Restores a carry_out folder (or the first of several that matches) into `root` when the
+  warm start in `sft_dir` is the same."""
   return carry.carry_in(src, {"recursive": sft_dir}, root, fingerprint or rec.weights_fingerprint)
 
 

@@ -9,7 +9,7 @@ module reads them and writes `benchmarks/results/recursion_seeds.json`:
   seeds: [{rl_seed, before, after, paired: {delta, ci95, n}, delegating_share: {before, after},
            vs_single: {delta, ci95}, minutes}]
   across_seeds: {mean_delta, ci95, iqm_delta, improved, worse_significant}
-  bar: each item of issue 45's bar, true or false, with its numbers
+  bar: each item of the bar the seeds are held to, true or false, with its numbers
   complete, seeds_missing: a file written while only some seeds have landed says so
 
 Intervals (rliable's recipe, Agarwal et al. 2021, "Deep RL at the edge of the statistical
@@ -58,11 +58,13 @@ _EXPECTED_SEEDS = flags.DEFINE_list(
     "expected_seeds", ["0", "1", "2", "3", "4"],
     "The RL seeds the experiment is to have: those not landed are listed in `seeds_missing`.")
 _DIFFICULTY = flags.DEFINE_string("difficulty", "medium", "The held-out evaluations' difficulty.")
-_WARM = flags.DEFINE_string(
+_WARM = flags.DEFINE_list(
     "warm_workdir", None, "Where a seed's workdir lacks the warm start's stages (a seed's "
     "committed records under benchmarks/results/recursion_runs/seedK, which leave out what "
     "they linked from the warm start): the warm start's workdir or records to read them from, "
-    "e.g. benchmarks/results/recursion_runs/warm.")
+    "e.g. benchmarks/results/recursion_runs/warm. Several (comma-separated; the warm start's "
+    "records from CPUs of different kinds, whose weights differ): each seed reads the one whose "
+    "weights fingerprint its manifest names.")
 _BOOT_REPS = flags.DEFINE_integer("boot_reps", BOOT_REPS, "Bootstrap resamples of each interval.")
 
 # Where a command line does not set --out (learning_evidence's default names its own result).
@@ -70,7 +72,7 @@ _DEFAULT_OUT = "benchmarks/results/recursion_seeds.json"
 
 # Generator streams: one per quantity, so adding a quantity never shifts another's draws.
 _PAIRED, _VS_SINGLE, _ACROSS = 0, 1, 2
-# Issue 45's bar: at least 4 of 5 seeds improve.
+# The bar: at least 4 of 5 seeds improve.
 IMPROVED_SHARE_NEEDED = 0.8
 # The stages a seed's entry is built from, relative to its workdir.
 REQUIRED_STAGES = ("recursive/eval_before", "recursive/rl", "recursive/eval_after",
@@ -196,11 +198,11 @@ def across_seeds(runs: list[SeedRun], entries: list[dict] | None = None,
 
 
 def bar(entries: list[dict], across: dict | None, expected: list[int]) -> dict:
-  """Issue 45's bar, item by item, judged on the seeds landed (`seeds_judged`); `met` only
+  """The bar the seeds are held to, item by item, judged on the seeds landed (`seeds_judged`); `met` only
   when every expected seed has landed and every item holds.
 
   The delegating share is kept when it moved by at most one tree of the held-out set either
-  way: drift toward more delegation (issue 45's first cause) fails it as a drop does."""
+  way: drift toward more delegation (what a baseline above 1 rewarded) fails it as a drop does."""
   needed = int(np.ceil(IMPROVED_SHARE_NEEDED * len(expected)))
   improved = (across or {}).get("improved", [])
   worse = (across or {}).get("worse_significant", [])
@@ -347,15 +349,41 @@ def parse_seed_workdirs(specs) -> list[tuple[int | None, str]]:
   return out
 
 
+def _warm_sha256(path: str) -> str | None:
+  """The recursive warm start's weights fingerprint a carried folder's manifest names."""
+  m = _marker(os.path.join(path, "manifest.json")) or {}
+  want = m.get("warm_sha256")
+  return want.get("recursive") if isinstance(want, dict) else want
+
+
+def warm_for(seed_path: str, warms: list[str]) -> str | None:
+  """The warm start `seed_path` was trained from, of `warms`: the only one, or the one whose
+  manifest names the weights fingerprint the seed's manifest names."""
+  if len(warms) <= 1:
+    return warms[0] if warms else None
+  want = _warm_sha256(seed_path)
+  have = {w: _warm_sha256(w) for w in warms}
+  match = [w for w, fp in have.items() if want and fp == want]
+  if not match:
+    raise ValueError(
+        f"{seed_path}: its manifest names the warm start {str(want)[:8]}, and none of "
+        f"--warm_workdir has it ({', '.join(f'{w}: {str(fp)[:8]}' for w, fp in have.items())}); "
+        "add the records of the warm start it ran from.")
+  return match[0]
+
+
 def write_from_workdirs(specs: list[tuple[int | None, str]], out: str, expected: list[int],
                         difficulty: str = "medium", reps: int = BOOT_REPS,
-                        plot: bool = True, warm: str | None = None) -> dict:
+                        plot: bool = True, warm: str | list[str] | None = None) -> dict:
   """The result file from the seeds' workdirs: landed seeds in `seeds`, a workdir whose stages
   are not all complete in `seeds_pending` (with what it lacks), absent seeds in
-  `seeds_missing`."""
+  `seeds_missing`. `warm`: the warm start's records (several: one per CPU kind, matched to each
+  seed by weights fingerprint)."""
+  warms = [warm] if isinstance(warm, str) else list(warm or [])
   runs, pending, sources = [], [], []
   for seed, path in specs:
-    run, missing = load_seed(path, seed, difficulty, warm)
+    seed_warm = warm_for(path, warms)
+    run, missing = load_seed(path, seed, difficulty, seed_warm)
     if run is None:
       if seed is None:
         cfg = _marker(os.path.join(path, "recursive", "rl", "config.json")) or {}
@@ -363,7 +391,8 @@ def write_from_workdirs(specs: list[tuple[int | None, str]], out: str, expected:
       pending.append({"rl_seed": seed, "workdir": path, "stages_missing": missing})
       continue
     runs.append(run)
-    sources.append({"rl_seed": run.rl_seed, "workdir": path})
+    sources.append({"rl_seed": run.rl_seed, "workdir": path, "warm_workdir": seed_warm,
+                    "warm_sha256": _warm_sha256(path)})
   extra = {"difficulty": difficulty, "sources": sorted(sources, key=lambda s: s["rl_seed"])}
   return write_seeds(runs, out, expected, reps, pending, extra, plot)
 

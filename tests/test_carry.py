@@ -67,8 +67,8 @@ def test_a_seed_carries_its_resume_point_and_the_checkpoints_its_evaluations_rea
   # A later session: the same warm start restores; other weights are refused by name.
   again = str(tmp_path / "again")
   rev.share_stages(warm, again, ("recursive", "single"))
-  with pytest.raises(app.UsageError, match=r"single warm start with weights sin, this one's "
-                     r"are xxx"):
+  with pytest.raises(app.UsageError, match=r"single xxx, made here on .*ran on single sin, "
+                     r"made on .*run the stages again here without the carry"):
     carry.carry_in(dest, rev.sft_dirs(again, ("recursive", "single")), again,
                    lambda d: "xxx" if "single" in d else fingerprint(d))
   # A stage this session completed itself (here the single RL) keeps its own record.
@@ -111,6 +111,36 @@ def test_pending_checkpoint_without_a_validation_split_is_the_newest_of_a_comple
   _stage(d)
   assert rev.pending_checkpoint(d, {}) == 4
   assert rev.pending_checkpoint(str(tmp_path / "recursive" / "sft"), {}) is None
+
+
+def test_of_several_carries_the_one_made_on_these_weights_is_restored(tmp_path, monkeypatch):
+  # A warm start's records from two CPU kinds: the same command gave weights "a" on one and
+  # "b" on the other; a run restores the records of the weights it has, whichever is listed
+  # first, and names the CPU each was made on.
+  made = {}
+  for fp_, cpu in (("a", "CPU A"), ("b", "CPU B")):
+    src = str(tmp_path / f"run_{fp_}")
+    _stage(os.path.join(src, "recursive", "eval_before"), {"weights": fp_})
+    monkeypatch.setattr(carry, "cpu_signature", lambda cpu=cpu: {"model": cpu, "isa": ["avx2"]})
+    made[fp_] = str(tmp_path / f"warm_{fp_}")
+    m = carry.carry_out({"recursive": "sft"}, src, made[fp_], lambda d, fp_=fp_: fp_)
+    assert m["cpu"] == {"model": cpu, "isa": ["avx2"]}
+  for fp_ in ("a", "b"):
+    root = str(tmp_path / f"again_{fp_}")
+    got = carry.carry_in([made["a"], made["b"]], {"recursive": "sft"}, root,
+                         lambda d, fp_=fp_: fp_)
+    assert got["from"] == made[fp_] and got["restored"] == 1
+    with open(os.path.join(root, "recursive", "eval_before", "stage.json")) as f:
+      assert json.load(f)["result"]["weights"] == fp_
+  with pytest.raises(app.UsageError, match=r"no folder matches .*recursive c, .*ran on recursive "
+                     r"a, made on CPU A \(avx2\); .*ran on recursive b, made on CPU B"):
+    carry.carry_in([made["a"], made["b"]], {"recursive": "sft"}, str(tmp_path / "c"),
+                   lambda d: "c")
+
+
+def test_cpu_signature_names_the_cpu_and_its_vector_isa():
+  sig = carry.cpu_signature()
+  assert sig["model"] and set(sig["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
 
 
 def test_a_carry_naming_a_warm_start_this_run_lacks_is_refused(tmp_path):

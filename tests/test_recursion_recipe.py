@@ -99,7 +99,7 @@ def test_carry_out_and_in_keep_what_resumes_and_refuse_another_warm_start(tmp_pa
   assert not any("checkpoints/0" in f or "done/rl/checkpoints" in f for f in m["files"])
   assert "running/rl/metrics.jsonl" in m["files"] and "val_before/stage.json" in m["files"]
   assert not os.path.exists(os.path.join(dest, "running", "rl", "trees.jsonl"))
-  with pytest.raises(app.UsageError, match=r"weights aaa.*this one's are bbb"):
+  with pytest.raises(app.UsageError, match=r"warm start \(recursive bbb, .*ran on recursive aaa"):
     rr.carry_in(dest, "warm", again, fingerprint=lambda d: "bbb")
   assert rr.carry_in(dest, "warm", again, fingerprint=lambda d: "aaa")["restored"] == len(
       m["files"])

@@ -260,3 +260,32 @@ def test_a_seeds_committed_records_read_the_warm_start_from_its_own(tmp_path):
   _stage(os.path.join(warm, "single", "eval_after"), {"medium": runs[1].single_after}, 2.0)
   os.remove(os.path.join(seed, "single", "eval_after", "stage.json"))
   assert rs.load_seed(seed, warm=warm)[1] == ["single/eval_after"]
+
+
+def test_seeds_from_warm_starts_of_two_cpu_kinds_each_read_their_own(tmp_path):
+  """The warm start's records from two CPU kinds (other weights, other evaluations): each
+  seed's records name the fingerprint they ran from, and read that warm start's stages."""
+  runs = _good_five()
+  warms, specs = [], []
+  for i, fp in ((0, "aaaa"), (1, "bbbb")):
+    warm, seed = str(tmp_path / f"warm_{fp}"), str(tmp_path / f"seed{i}")
+    _stage(os.path.join(warm, "recursive", "eval_before"), {"medium": runs[i].before}, 15.0)
+    _workdir(seed, runs[i], warm)
+    os.unlink(os.path.join(seed, "recursive", "eval_before"))    # as carried: not there
+    for d in (warm, seed):
+      with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump({"warm_sha256": {"recursive": fp, "single": "s"}, "files": []}, f)
+    warms.append(warm)
+    specs.append((None, seed))
+  out = str(tmp_path / "seeds.json")
+  result = rs.write_from_workdirs(specs, out, EXPECTED, reps=REPS, plot=False,
+                                  warm=warms[::-1])
+  direct = rs.seeds_result(runs[:2], EXPECTED, reps=REPS)
+  for got, want in zip(result["seeds"], direct["seeds"]):
+    assert {**got, "minutes": 0} == {**want, "minutes": 0}
+  assert [(s["warm_workdir"], s["warm_sha256"]) for s in result["sources"]] == [
+      (warms[0], "aaaa"), (warms[1], "bbbb")]
+  with pytest.raises(ValueError, match=r"seed1: its manifest names the warm start bbbb, and "
+                     r"none of --warm_workdir has it .*warm_aaaa: aaaa"):
+    rs.write_from_workdirs(specs, out, EXPECTED, reps=REPS, plot=False,
+                           warm=[warms[0], str(tmp_path / "seed0")])
