@@ -221,12 +221,16 @@ def gen_recursion_seeds(page: str) -> str:
     return ("No seed of the corrected method has finished yet: this table fills from "
             "`benchmarks/results/recursion_seeds.json` when the first one lands."
             + warm_start_readings(page))
-  out = ["| RL seed | warm start | after RL | paired effect | delegating trees | vs. single "
-         "agent | minutes |", "|---|---|---|---|---|---|---|"]
+  # The warm start's weights by seed: its records per CPU kind differ (docs: Reproduce).
+  weights = {src["rl_seed"]: src.get("warm_sha256") for src in seeds.get("sources", [])}
+  out = ["| RL seed | warm start (weights) | after RL | paired effect | delegating trees | "
+         "vs. single agent | minutes |", "|---|---|---|---|---|---|---|"]
   for s in seeds["seeds"]:
     n = s["paired"]["n"]
     share = s["delegating_share"]
-    out.append(f"| {s['rl_seed']} | {frac(s['before'], n)} | {frac(s['after'], n)} | "
+    fp = weights.get(s["rl_seed"])
+    warm = frac(s["before"], n) + (f" (`{fp[:8]}`)" if fp else "")
+    out.append(f"| {s['rl_seed']} | {warm} | {frac(s['after'], n)} | "
                f"{delta_ci(s['paired'])} | {count(share['before'], n)} -> "
                f"{count(share['after'], n)} | {delta_ci(s['vs_single'])} | "
                f"{s['minutes']:.0f} |")
