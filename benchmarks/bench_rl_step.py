@@ -189,9 +189,8 @@ def make_trainer_class():
 
 def step_line(st: dict, row_len: int) -> dict:
   m, e, trees = st["m"], st["engine"], st["trees"]
-  calls = max(e.get("decode_calls", 0), 1)
+  from rao_jax.rollout.engine import scheduler  # pylint: disable=g-import-not-at-top
   tl = timeline(trees, st["unix0"])
-  busy = e.get("decode_s", 0.0) + e.get("prefill_s", 0.0)
   leaf_cells = [c for a in tl if a["leaf"] for c in a["cells"]]
   rows_used = m.get("learner/batch/rows_used", 0.0)
   return {
@@ -201,17 +200,8 @@ def step_line(st: dict, row_len: int) -> dict:
           "generated_tokens": m["rollout/generated_tokens"],
           "generated_tokens_per_s": m["rollout/generated_tokens"] / max(m["time/rollout_s"],
                                                                          1e-9),
-          "prefilled_tokens": e.get("prefill_tokens", 0),
-          "prefill_padded_tokens": e.get("prefill_padded_tokens", 0),
-          "prompt_tokens": e.get("prompt_tokens", 0), "cached_tokens": e.get("cached_tokens", 0),
-          "decode_calls": e.get("decode_calls", 0),
-          "decode_rows_per_call": e.get("decode_rows", 0) / calls,
-          "active_requests_per_call": e.get("decode_active", 0) / calls,
-          "occupancy": e.get("decode_active", 0) / max(e.get("decode_rows", 0), 1),
+          **scheduler.time_split(e, m["time/rollout_s"]),
           "compile_s": st["rollout_compile_s"],
-          "engine_busy_s": busy,
-          "decode_s": e.get("decode_s", 0.0), "prefill_s": e.get("prefill_s", 0.0),
-          "engine_idle_s": max(m["time/rollout_s"] - busy, 0.0),
           "leaf_cells_s": union_s(leaf_cells),
           "trees": len(trees), "agents": sum(len(t.nodes) for t in trees),
           "success": m.get("success"),

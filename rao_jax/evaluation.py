@@ -228,6 +228,7 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
               ": the run has no validation split (config.env.val_tasks = 0)."
               if diff == "val" else "."))
         t0 = time.perf_counter()
+        counters0 = collections.Counter(getattr(engine, "stats", {}))
         progress = RolloutProgress(runner, 0, len(tasks), PROGRESS_EVERY_S,
                                    label=f"eval {title} {mode} {diff}")
         reporter = asyncio.ensure_future(progress.report())
@@ -242,6 +243,13 @@ async def _run_eval(config, env, engine, tokenizer, results, num_tasks, modes, d
                           "num_tasks": len(trees), "wall_s": wall,
                           "per_task": {t.task_id: s for t, s in zip(trees, succ)},
                           **metrics_lib.tree_stats(trees)}
+        if hasattr(engine, "stats"):
+          # The embedded engine's time split (device calls, idle, batch occupancy): where an
+          # evaluation's minutes went, recorded with every evaluation.
+          from rao_jax.rollout.engine import scheduler  # pylint: disable=g-import-not-at-top
+          delta = collections.Counter(engine.stats)
+          delta.subtract(counters0)
+          per_mode[diff]["engine"] = scheduler.time_split(delta, wall)
         log.info("eval %s %s %s: success %.3f [%.3f, %.3f] over %d tasks", title, mode,
                  diff, per_mode[diff]["success"], lo, hi, len(trees))
         all_trees += trees

@@ -2,6 +2,8 @@
 prefix sharing by pages, a pool small enough to preempt, compilation count, limits, aborts and
 weight swaps. A tiny random model; one slow real test."""
 import asyncio
+import collections
+import time
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,34 @@ def test_continuous_batching_equals_one_at_a_time(model, warm):
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
   for x, y in zip(a, b):
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4, rtol=0)
+
+
+def test_time_split_counts_the_engines_calls_tokens_and_occupancy(model, warm):
+  from rao_jax.rollout.engine import scheduler
+  ps = prompts(3, [5, 19, 30])
+  async def go():
+    eng = EmbeddedEngine(model, **CFG)
+    before = dict(eng.stats)
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[eng.generate(GenerateRequest(p, greedy(8))) for p in ps])
+    wall = time.perf_counter() - t0
+    delta = collections.Counter(eng.stats)
+    delta.subtract(before)
+    await eng.close()
+    return res, scheduler.time_split(delta, wall), wall
+  res, split, wall = run(go())
+  # Every generated token after a request's first (which its prefill samples) is decoded.
+  assert split["decode_tokens"] >= sum(len(r.token_ids) for r in res) - len(ps)
+  assert split["prompt_tokens"] == sum(map(len, ps))
+  assert 0 < split["occupancy"] <= 1 and split["active_requests_per_call"] <= 3
+  assert split["decode_rows_per_call"] >= split["active_requests_per_call"]
+  assert split["engine_busy_s"] == pytest.approx(split["decode_s"] + split["prefill_s"])
+  assert split["engine_busy_s"] + split["engine_idle_s"] >= wall - 1e-6
+  # Three requests in a 4-slot engine: no decode call computes more active rows than exist.
+  assert split["occupancy"] == pytest.approx(
+      split["active_requests_per_call"] / split["decode_rows_per_call"])
+  empty = scheduler.time_split({}, 2.0)
+  assert empty["engine_idle_s"] == 2.0 and empty["occupancy"] == 0.0
 
 
 def test_sessions_resume_and_eviction_equal_recompute(model, warm):

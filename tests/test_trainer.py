@@ -127,6 +127,10 @@ def test_train_resume_and_evaluate(tiny_hf_dir, tmp_path):
   assert set(ev["modes"]) == {"recursive", "single"}
   for per in ev["modes"].values():
     assert 0.0 <= per["easy"]["success"] <= 1.0 and per["easy"]["num_tasks"] == 1
+    # The embedded engine's time split is recorded with the evaluation.
+    eng = per["easy"]["engine"]
+    assert eng["decode_calls"] >= 1 and eng["decode_s"] > 0 and 0 < eng["occupancy"] <= 1
+    assert eng["engine_busy_s"] + eng["engine_idle_s"] >= per["easy"]["wall_s"] * 0.99
   assert os.path.exists(os.path.join(ev["out_dir"], "trees.html"))
   with pytest.raises(ValueError, match="available steps"):
     evaluation.evaluate_checkpoint(wd, step=99, num_tasks=1)

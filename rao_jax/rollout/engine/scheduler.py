@@ -28,6 +28,32 @@ from rao_jax.rollout.engine.slot_table import Req, Slot, SlotTable
 log = logging.getLogger(__name__)
 
 
+def time_split(delta, wall_s: float) -> dict[str, float]:
+  """Where an engine's wall time went over a stretch of work, from the difference of its
+  ``stats`` counters across it (``delta``: after - before) and the stretch's wall seconds.
+
+  decode_s, prefill_s: device calls; engine_idle_s = wall - both: no request was ready (every
+  agent in a sandbox cell, in host code, or between turns). occupancy = active requests over
+  the rows the decode calls computed (a call of 3 requests in a 4-row bucket: 0.75). A decode
+  token's cost grows with the rows of its call, so decode_rows_per_call against the slots says
+  how much of the batch the workload kept busy.
+  """
+  g = lambda k: float(delta.get(k, 0))  # noqa: E731
+  calls = max(g("decode_calls"), 1.0)
+  busy = g("decode_s") + g("prefill_s")
+  return {
+      "decode_s": g("decode_s"), "prefill_s": g("prefill_s"), "engine_busy_s": busy,
+      "engine_idle_s": max(float(wall_s) - busy, 0.0),
+      "decode_calls": g("decode_calls"), "decode_tokens": g("decode_tokens"),
+      "decode_rows_per_call": g("decode_rows") / calls,
+      "active_requests_per_call": g("decode_active") / calls,
+      "occupancy": g("decode_active") / max(g("decode_rows"), 1.0),
+      "prefilled_tokens": g("prefill_tokens"), "prefill_padded_tokens": g("prefill_padded_tokens"),
+      "prompt_tokens": g("prompt_tokens"), "cached_tokens": g("cached_tokens"),
+      "preemptions": g("preemptions"), "page_waits": g("page_waits"),
+  }
+
+
 class Scheduler:
   """Slot table and device state of one engine, and its step.
 
