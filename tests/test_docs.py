@@ -174,7 +174,7 @@ def _copy_results(tmp_path, monkeypatch):
   res.mkdir()
   for name in ("recursion_evidence.json", "recursion_evidence_rlseed1.json"):
     (res / name).write_text(_read(f"benchmarks/results/{name}"))
-  monkeypatch.setattr(gen, "RESULTS", str(res))
+  monkeypatch.setattr(sys.modules["gen_common"], "RESULTS", str(res))   # read by every block
   return res
 
 
@@ -188,6 +188,25 @@ def test_results_follow_the_json(tmp_path, monkeypatch):
   after = gen.gen_recursion_headline("README.md")
   assert "seed 1: 40/64 -> 45/64" in after
   assert "45/64" in gen.gen_recursion_runs("docs/results/recursion.md")
+
+
+def test_seed_readings_follow_each_seeds_report(tmp_path, monkeypatch):
+  res = _copy_results(tmp_path, monkeypatch)
+  page = "docs/results/recursion.md"
+  assert "No seed of the corrected method has taken its readings" in (
+      gen.gen_recursion_seed_readings(page))
+  reading = {"tasks": 8, "before": 1 / 8, "after": 3 / 8,
+             "paired": {"delta": 0.25, "ci95": [0.0, 0.5]}}
+  for seed, readings in ((3, {"hard": reading}), (1, {"hard": {**reading, "after": None,
+                                                                  "paired": None}})):
+    d = res / "recursion_runs" / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps({"settings": {"rl_seed": seed},
+                                               "readings": readings}))
+  rows = gen.gen_recursion_seed_readings(page).splitlines()[2:]
+  assert rows[0].startswith("| [1](") and "recursion_runs/seed1/result.json) |" in rows[0]
+  assert "| hard | 8 | 1/8 [0.02, 0.47] | not taken |" in rows[0]
+  assert rows[1].endswith("| 1/8 [0.02, 0.47] | 3/8 [0.14, 0.69] | +0.25 [0.00, 0.50] |")
 
 
 def test_five_seed_results_replace_the_placeholder(tmp_path, monkeypatch):
@@ -291,7 +310,7 @@ def test_recipe_table_follows_the_json(tmp_path, monkeypatch):
 def test_baseline_scale_table_follows_the_json(tmp_path, monkeypatch):
   res = tmp_path / "results"
   res.mkdir()
-  monkeypatch.setattr(gen, "RESULTS", str(res))
+  monkeypatch.setattr(sys.modules["gen_common"], "RESULTS", str(res))   # read by every block
   assert "Not run yet" in gen.gen_ablation_baseline_scale("docs/results/ablations.md")
   d = json.loads(_read("benchmarks/results/rao_ablations_baseline_scale.json"))
   d["arms"]["default"]["held_out"].update(mean=0.8125, ci95=[0.7, 0.9])
