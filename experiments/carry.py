@@ -44,19 +44,8 @@ CARRIED = ("stage.json", "metrics.jsonl", "config.json")
 def cpu_signature() -> dict:
   """The CPU a run's numbers come from: its model name and the instruction sets that change
   XLA's kernels (and so the weights a warm start ends with)."""
-  model, flags_ = "unknown", set()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-          model = value.strip()
-        elif key.strip() == "flags" and not flags_:
-          flags_ = set(value.split())
-  except OSError:
-    pass
-  return {"model": model, "isa": [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-                                  if x in flags_]}
+  from rao_jax.kernels import mkl  # pylint: disable=g-import-not-at-top
+  return mkl.cpu_kind()
 
 
 def checkpoint_steps(ckpt_dir: str) -> list[int]:

@@ -42,6 +42,19 @@ def test_cpuinfo_reads_fields_and_names_nothing_it_lacks():
   assert mkl.cpuinfo("no such field") == ""
 
 
+def test_cpu_kind_tells_apart_cpus_a_vm_names_alike(monkeypatch):
+  # Two EPYC generations a cloud VM names "AMD EPYC" alike: their vector sets tell them apart.
+  for flags, want in (("fpu sse2 avx avx2 fma", "AMD EPYC (avx2)"),
+                      ("sse2 avx2 avx512f avx512_bf16 avx512bw", "AMD EPYC (avx2, avx512f, "
+                                                                 "avx512_bf16)"),
+                      ("sse2 sse4_2", "AMD EPYC (no AVX2)")):
+    monkeypatch.setattr(mkl, "cpuinfo", lambda f, flags=flags: {
+        "model name": "AMD EPYC", "flags": flags}.get(f, ""))
+    assert mkl.cpu_name() == want
+  monkeypatch.setattr(mkl, "cpuinfo", lambda f: "")
+  assert mkl.cpu_kind()["model"]      # never empty: the platform's name, else "unknown CPU"
+
+
 def test_xla_choice_turns_it_off_and_bad_value_is_named():
   a = jnp.ones((128, 64), jnp.float32)
   assert mkl.backend("xla") == "xla"

@@ -93,6 +93,21 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
+def cpu_kind() -> dict:
+  """The CPU a number was measured on: its model name and the vector instruction sets that
+  change XLA's kernels, and so its speed and the last bits of its float results (a cloud VM
+  often names a Zen 2 and a Zen 4 EPYC alike, "AMD EPYC")."""
+  flags = set(cpuinfo("flags").split())
+  return {"model": cpuinfo("model name") or platform.processor() or "unknown CPU",
+          "isa": [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if x in flags]}
+
+
+def cpu_name() -> str:
+  """`cpu_kind` in one string, e.g. 'AMD EPYC (avx2, avx512f, avx512_bf16)'."""
+  k = cpu_kind()
+  return f"{k['model']} ({', '.join(k['isa']) or 'no AVX2'})"
+
+
 def _cpu_vendor() -> str:
   """/proc/cpuinfo's vendor_id ('GenuineIntel', 'AuthenticAMD', ...), '' where unknown.
 
