@@ -111,10 +111,13 @@ def carry_in(srcs: str | Sequence[str], sft_dirs: Mapping[str, str], root: str,
   mine, refused = {}, []
   for src in srcs:
     manifest, want = _manifest(src)
-    missing = sorted(set(want) - set(sft_dirs))
-    if missing:
-      raise app.UsageError(f"carry_in {src}: its stages ran on the warm starts {sorted(want)}, "
-                           f"and this run has none for {missing}.")
+    # A run of some of the modes (--modes=recursive) restores those modes' stages: the others'
+    # warm starts are neither built nor checked, and their files are left out.
+    skipped = sorted(set(want) - set(sft_dirs))
+    want = {k: v for k, v in want.items() if k in sft_dirs}
+    if not want:
+      raise app.UsageError(f"carry_in {src}: its stages ran on the warm starts {skipped}, "
+                           f"and this run builds none of them (it has {sorted(sft_dirs)}).")
     mine.update({k: fingerprint(sft_dirs[k]) for k in want if k not in mine})
     bad = [k for k in want if mine[k] != want[k]]
     if not bad:
@@ -132,11 +135,12 @@ def carry_in(srcs: str | Sequence[str], sft_dirs: Mapping[str, str], root: str,
         "weights are not comparable. The same command gives other weights on a CPU of another "
         "kind (XLA's kernels differ by instruction set): run the stages again here without "
         "the carry, and carry them out to a folder of their own.")
+  files = [rel for rel in manifest["files"] if rel.split("/", 1)[0] not in skipped]
   # Stages this run completed itself keep their own files (decided before anything is copied).
-  own = {_stage_of(os.path.join(root, rel)) for rel in manifest["files"]}
+  own = {_stage_of(os.path.join(root, rel)) for rel in files}
   own = {d for d in own if os.path.exists(os.path.join(d, "stage.json"))}
   restored = kept = 0
-  for rel in manifest["files"]:
+  for rel in files:
     a, b = os.path.join(src, rel), os.path.join(root, rel)
     if _stage_of(b) in own and os.path.exists(b.rstrip("/")):
       kept += 1
@@ -147,7 +151,8 @@ def carry_in(srcs: str | Sequence[str], sft_dirs: Mapping[str, str], root: str,
       os.makedirs(os.path.dirname(b), exist_ok=True)
       shutil.copy2(a, b)
     restored += 1
-  return {"restored": restored, "kept_own": kept, "warm_sha256": mine, "from": src}
+  return {"restored": restored, "kept_own": kept, "warm_sha256": {k: mine[k] for k in want},
+          "from": src, "modes_left_out": skipped}
 
 
 def _stage_of(path: str) -> str:

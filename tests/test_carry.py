@@ -143,12 +143,22 @@ def test_cpu_signature_names_the_cpu_and_its_vector_isa():
   assert sig["model"] and set(sig["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
 
 
-def test_a_carry_naming_a_warm_start_this_run_lacks_is_refused(tmp_path):
-  dest = str(tmp_path / "c")
-  carry.carry_out({"recursive": "a", "single": "b"}, str(tmp_path / "empty"), dest,
-                  lambda d: d)
-  with pytest.raises(app.UsageError, match=r"none for \['single'\]"):
-    carry.carry_in(dest, {"recursive": "a"}, str(tmp_path / "x"), lambda d: d)
+def test_a_run_of_some_modes_restores_those_modes_only(tmp_path):
+  # A warm start's records of both modes, restored by a run of the recursive mode only (the
+  # adapter re-evaluation): the single agent's warm start is not built, so its stages are left
+  # out rather than the carry refused.
+  src, dest = str(tmp_path / "src"), str(tmp_path / "c")
+  for st in ("recursive/eval_before", "single/eval_before", "caps"):
+    _stage(os.path.join(src, st))
+  carry.carry_out({"recursive": "a", "single": "b"}, src, dest, lambda d: d)
+  root = str(tmp_path / "x")
+  got = carry.carry_in(dest, {"recursive": "a"}, root, lambda d: d)
+  assert got["modes_left_out"] == ["single"] and got["warm_sha256"] == {"recursive": "a"}
+  assert os.path.exists(os.path.join(root, "recursive", "eval_before", "stage.json"))
+  assert os.path.exists(os.path.join(root, "caps", "stage.json"))
+  assert not os.path.exists(os.path.join(root, "single"))
+  with pytest.raises(app.UsageError, match=r"this run builds none of them"):
+    carry.carry_in(dest, {"other": "a"}, root, lambda d: d)
 
 
 def test_readings_after_rl_read_the_step_the_held_out_evaluation_reads(tmp_path, monkeypatch):
