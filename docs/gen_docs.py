@@ -170,26 +170,27 @@ def gen_results_table(page: str) -> str:
 
 
 def gen_speed_table(page: str) -> str:
-  """Ours against the strongest peer, and against this machine's measured peak."""
+  """Ours against the strongest peer, and against the measured peak of the CPU each ran on."""
   peak, model = load_json("bench_peak.json"), load_json("bench_model.json")
   learner, rollout = load_json("bench_learner.json"), load_json("bench_rollout.json")
   sandbox = load_json("bench_sandbox.json")
-  out = ["| benchmark | ours | peer (as its users run it) | ratio | ours, share of peak |",
-         "|---|---|---|---|---|"]
+  out = ["| benchmark | ours | peer (as its users run it) | ratio | ours, share of peak | CPU |",
+         "|---|---|---|---|---|---|"]
+  cpu = lambda d: d.get("cpu", "not recorded")  # noqa: E731
   if peak:
     out.append(f"| `bench_peak` | best float32 GEMM {peak['peak_gflops']:.1f} GFLOP/s "
                f"({peak['peak_gemm_by']}), memory {peak['peak_gbps']:.1f} GB/s "
-               f"({peak['peak_bandwidth_by']}) | | | |")
+               f"({peak['peak_bandwidth_by']}) | | | | {cpu(peak)} |")
   if model:
     out.append(f"| `bench_model` forward + backward, {model['batch']} x {model['seq']} | "
                f"{model['ours_tokens_per_s']:.0f} tokens/s | transformers on PyTorch: "
                f"{model['peer_tokens_per_s']:.0f} | **{model['ratio']:.2f}x** | "
-               f"{model['share_of_peak_gemm']:.0%} of the GEMM peak |")
+               f"{model['share_of_peak_gemm']:.0%} of the GEMM peak | {cpu(model)} |")
   if learner:
     out.append(f"| `bench_learner` RAO step + AdamW, {learner['rows']} x {learner['row_len']} | "
                f"{learner['ours_tokens_per_s']:.0f} tokens/s | PyTorch, same rows: "
                f"{learner['peer_tokens_per_s']:.0f} | **{learner['ratio']:.2f}x** | "
-               f"{learner['share_of_peak_gemm']:.0%} |")
+               f"{learner['share_of_peak_gemm']:.0%} | {cpu(learner)} |")
   if rollout:
     bs = (1, 8, 32)
     out.append("| `bench_rollout` decode, batch " + " / ".join(map(str, bs)) + " | "
@@ -197,17 +198,20 @@ def gen_speed_table(page: str) -> str:
                + " tokens/s | `generate()`: "
                + " / ".join(f"{rollout[f'torch_tok_s_b{b}']:.0f}" for b in bs) + " | **"
                + " / ".join(f"{rollout[f'ratio_b{b}']:.2f}" for b in bs) + "x** | bandwidth "
-               + " / ".join(f"{rollout[f'share_of_peak_bandwidth_b{b}']:.0%}" for b in bs) + " |")
+               + " / ".join(f"{rollout[f'share_of_peak_bandwidth_b{b}']:.0%}" for b in bs)
+               + f" | {cpu(rollout)} |")
   if sandbox:
     out.append(f"| `bench_sandbox` cold spawn / cell round trip (p50) | "
                f"{sandbox['spawn_ms_p50']:.1f} / {sandbox['exec_ms_p50']:.2f} ms | no jail "
                f"(`isolation=\"process\"`): {sandbox['peer_process_spawn_ms_p50']:.1f} / "
                f"{sandbox['peer_process_exec_ms_p50']:.2f} ms | "
                f"{sandbox['spawn_vs_process_mode']:.2f} / {sandbox['exec_vs_process_mode']:.2f} "
-               f"(time) | |")
-  cpu = (model or {}).get("cpu", "the CPU named in each JSON")
-  out += ["", f"Measured on a 2-core {cpu}, the peer in the same run in alternating rounds; "
-          "each file under `benchmarks/results/` keeps the CPU and the load average it ran at."]
+               f"(time) | | {cpu(sandbox)} |")
+  out += ["", "Each row is the newest run of its benchmark, on the 2-core CPU it names, the peer in "
+          "the same run in alternating rounds; a share of peak is against that CPU's own "
+          "`bench_peak` line. Rows run before the vector instruction sets were recorded name the "
+          "model only, and a VM names EPYC generations about 2x apart here alike (\"AMD EPYC\"): "
+          "only ratios compare across rows."]
   return "\n".join(out)
 
 
