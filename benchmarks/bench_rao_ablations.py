@@ -73,7 +73,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -183,14 +182,8 @@ CLAIMS = {
 
 
 def _cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
+  from rao_jax.kernels import mkl  # pylint: disable=g-import-not-at-top
+  return mkl.cpu_name()
 
 
 @contextlib.contextmanager
