@@ -138,11 +138,6 @@ def test_of_several_carries_the_one_made_on_these_weights_is_restored(tmp_path, 
                    lambda d: "c")
 
 
-def test_cpu_signature_names_the_cpu_and_its_vector_isa():
-  sig = carry.cpu_signature()
-  assert sig["model"] and set(sig["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
-
-
 def test_a_run_of_some_modes_restores_those_modes_only(tmp_path):
   # A warm start's records of both modes, restored by a run of the recursive mode only (the
   # adapter re-evaluation): the single agent's warm start is not built, so its stages are left
