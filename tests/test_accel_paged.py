@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rao_jax.kernels import decode, decode_cpu, paged
+from rao_jax.kernels import attention, decode, decode_cpu, paged
 from rao_jax.model.transformer import Transformer
 from rao_jax.testing import tiny_config
 
@@ -99,6 +99,38 @@ def test_paged_cpu_kernel_equals_the_contiguous_one_bit_for_bit():
       paged.xla_paged_decode_attention(q, rows_k, rows_v, rows_B1, start),
       decode.xla_decode_attention(q, jnp.take(rows_k, rows_B1[:, 0], axis=0),
                                   jnp.take(rows_v, rows_B1[:, 0], axis=0), start))
+
+
+# (T, H, K, h, P): SmolLM2-135M's heads and page; Llama-3.2-1B's and Qwen3-4B's (h 128, 4 query
+# heads a kv head); more query rows a group than one register block (T g = 12) on pages of 33
+# slots (whole vectors and a tail in each page); a head dim of no whole vector (the plain loop).
+MODEL_SHAPES = [(1, 9, 3, 64, 64), (1, 32, 8, 128, 64), (4, 6, 2, 64, 33), (2, 6, 2, 40, 16)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T,H,Kh,hd,Ps", MODEL_SHAPES)
+def test_cpu_kernel_at_model_shapes(T, H, Kh, hd, Ps, dtype):
+  """The CPU kernel's register blocks (kv vectors of 16 or 8 floats, groups of query rows) at
+  the head shapes of the models the engine serves: against XLA's attention over the gathered
+  rows, and read through pages bit for bit as through the contiguous rows (each score and
+  output sums in one order wherever a page, a vector or a register block begins)."""
+  rng = np.random.default_rng(hd + Ps)
+  Wd, B = 4, 3
+  start = np.array([0, Ps - 1, Wd * Ps - T], np.int32)   # one slot, a page edge, a full table
+  q = jnp.asarray(rng.standard_normal((B, T, H, hd)), dtype)
+  k = jnp.asarray(rng.standard_normal((B * Wd + 2, Kh, hd, Ps)) * 2, dtype)
+  v = jnp.asarray(rng.standard_normal((B * Wd + 2, Kh, Ps, hd)), dtype)
+  pages = jnp.asarray(rng.permutation(B * Wd + 2)[:B * Wd].reshape(B, Wd), jnp.int32)
+  rows_k, rows_v = paged.view(k, v, pages)
+  visible = (jnp.arange(Wd * Ps)[None, None, :]
+             <= (jnp.asarray(start)[:, None] + jnp.arange(T)[None])[:, :, None])
+  want = attention.cached_attention(q, rows_k, rows_v, visible, q.dtype)   # as the model calls it
+  got = jax.jit(decode_cpu.attend_paged)(q, k, v, pages, jnp.asarray(start))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=TOL[dtype], rtol=TOL[dtype])
+  contiguous = decode_cpu.attend(q, rows_k, rows_v, jnp.arange(B, dtype=jnp.int32),
+                                 jnp.asarray(start))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(contiguous, np.float32))
 
 
 def test_gpu_kernel_splits_long_rows_into_parts():

@@ -7,9 +7,11 @@ slots j <= start_b + t, in float32 or bfloat16, without touching slots past star
 and without copying rows out of the cache. ``attend_paged(q, k_pages, v_pages, pages_BxW,
 start_B)`` is the same over a paged cache (the engine's: a pool of pages of P slots, row b's
 slot j in page ``pages_BxW[b, j // P]``), reading only the pages that hold live slots; the
-contiguous form is the paged one with one page of S slots per row. Plain C++ over XLA's
-intra-op thread pool (tasks are rows x kv heads): no MKL, so it builds on any CPU with a C++
-compiler, AMD included.
+contiguous form is the paged one with one page of S slots per row. C++ with GCC's vector
+extensions (register blocks of query rows by key or value vectors, AVX-512 or AVX2 wide as
+-march=native allows) over XLA's intra-op thread pool (tasks are rows x kv heads): no MKL, so
+it builds on any CPU with GCC or clang, AMD included. The blocks sum each score and output in
+the plain loop's order, so the result is the same bits whatever the page or vector width.
 
 The library is compiled once per machine on first use (``mkl.compile_library``: g++, about
 5 s) into the same cache folder as the MKL kernels. ``available(mode)`` says whether the

@@ -47,19 +47,135 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The register blocks of the score and value loops: a block of kRows query rows by kVecs
+// vectors of kLanes floats stays in registers (16 + kVecs of AVX-512's 32 zmm; 8 + 2 of AVX2's
+// 16 ymm) while it sums over a head dimension or over slots. GCC's vector extensions, so one
+// source builds for either (and for any other -march, where GCC splits the vectors).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kRows = 4, kVecs = 4;
+#else
+constexpr int kLanes = 8, kRows = 4, kVecs = 2;
+#endif
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef float VecFu __attribute__((vector_size(4 * kLanes), aligned(1), may_alias));
+typedef uint16_t VecHu __attribute__((vector_size(2 * kLanes), aligned(1), may_alias));
+typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
+
 // Element access for the two cache dtypes: float32 as is, bfloat16 widened on load.
 struct F32Io {
   using T = float;
   static float Load(const float* p, int64_t i) { return p[i]; }
+  static VecF LoadVec(const float* p) { return *reinterpret_cast<const VecFu*>(p); }
   static void Store(float* p, int64_t i, float x) { p[i] = x; }
   static float Round(float x) { return x; }
 };
 struct Bf16Io {
   using T = uint16_t;
   static float Load(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
+  static VecF LoadVec(const uint16_t* p) {
+    VecU bits = __builtin_convertvector(*reinterpret_cast<const VecHu*>(p), VecU) << 16;
+    return reinterpret_cast<VecF&>(bits);
+  }
   static void Store(uint16_t* p, int64_t i, float x) { p[i] = F32ToBf16(x); }
   static float Round(float x) { return Bf16ToF32(F32ToBf16(x)); }
 };
+
+inline void StoreVec(float* p, VecF x) { *reinterpret_cast<VecFu*>(p) = x; }
+
+// s[(i0 + r) n + x] = sum over c in order of qs[(i0 + r) h + c] kb[c P + x], for r < R and
+// x < NV kLanes: R query rows' scores against NV vectors of one page's keys (kb: the page's
+// first slot of the block), the keys loaded once for all R rows. Each score is summed in the
+// order of the plain loop's (0 + q_0 k_0 + q_1 k_1 + ...), so the result is bit for bit that.
+template <typename Io, int R, int NV>
+inline void ScoreBlock(const float* qs, int64_t h, const typename Io::T* kb, int64_t P,
+                       float* s, int64_t n, int64_t i0) {
+  VecF acc[R][NV] = {};
+  for (int64_t c = 0; c < h; ++c) {
+    VecF k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = Io::LoadVec(kb + c * P + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float qc = qs[(i0 + r) * h + c];
+      for (int v = 0; v < NV; ++v) acc[r][v] = acc[r][v] + qc * k[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) StoreVec(s + (i0 + r) * n + v * kLanes, acc[r][v]);
+  }
+}
+
+// acc[(i0 + r) h + c0 + x] = sum over slots j < n in order of s[(i0 + r) n + j] v_j[c0 + x],
+// for r < R and x < CV kLanes: R query rows' outputs over CV vectors of the head dimension,
+// each value vector loaded once for all R rows, summed in the plain loop's order.
+template <typename Io, int R, int CV>
+inline void ValueBlock(const float* s, int64_t n, int64_t i0, const typename Io::T* pv,
+                       const int32_t* table, int64_t P, int64_t K, int64_t kv, int64_t h,
+                       int64_t c0, float* out) {
+  VecF acc[R][CV] = {};
+  for (int64_t j0 = 0; j0 < n; j0 += P) {
+    const typename Io::T* page = pv + (static_cast<int64_t>(table[j0 / P]) * K + kv) * P * h;
+    const int64_t len = std::min<int64_t>(P, n - j0);
+    for (int64_t j = 0; j < len; ++j) {
+      VecF v[CV];
+      for (int x = 0; x < CV; ++x) v[x] = Io::LoadVec(page + j * h + c0 + x * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float p = s[(i0 + r) * n + j0 + j];
+        for (int x = 0; x < CV; ++x) acc[r][x] = acc[r][x] + p * v[x];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < CV; ++x) StoreVec(out + (i0 + r) * h + c0 + x * kLanes, acc[r][x]);
+  }
+}
+
+// The blocks above for R rows (1..kRows) and a count of vectors (1..kVecs) known at run time.
+template <typename Io, int R>
+void ScoreRows(int nv, const float* qs, int64_t h, const typename Io::T* kb, int64_t P,
+               float* s, int64_t n, int64_t i0) {
+  static_assert(kVecs == 2 || kVecs == 4);
+  switch (nv) {
+    case 1: return ScoreBlock<Io, R, 1>(qs, h, kb, P, s, n, i0);
+    case 2: return ScoreBlock<Io, R, 2>(qs, h, kb, P, s, n, i0);
+    case 3: if constexpr (kVecs >= 3) return ScoreBlock<Io, R, 3>(qs, h, kb, P, s, n, i0);
+            return;
+    default: if constexpr (kVecs >= 4) return ScoreBlock<Io, R, 4>(qs, h, kb, P, s, n, i0);
+  }
+}
+template <typename Io>
+void Scores(int rows, int nv, const float* qs, int64_t h, const typename Io::T* kb, int64_t P,
+            float* s, int64_t n, int64_t i0) {
+  switch (rows) {
+    case 1: return ScoreRows<Io, 1>(nv, qs, h, kb, P, s, n, i0);
+    case 2: return ScoreRows<Io, 2>(nv, qs, h, kb, P, s, n, i0);
+    case 3: return ScoreRows<Io, 3>(nv, qs, h, kb, P, s, n, i0);
+    default: return ScoreRows<Io, 4>(nv, qs, h, kb, P, s, n, i0);
+  }
+}
+template <typename Io, int R>
+void ValueRows(int cv, const float* s, int64_t n, int64_t i0, const typename Io::T* pv,
+               const int32_t* table, int64_t P, int64_t K, int64_t kv, int64_t h, int64_t c0,
+               float* out) {
+  switch (cv) {
+    case 1: return ValueBlock<Io, R, 1>(s, n, i0, pv, table, P, K, kv, h, c0, out);
+    case 2: return ValueBlock<Io, R, 2>(s, n, i0, pv, table, P, K, kv, h, c0, out);
+    case 3: if constexpr (kVecs >= 3) return ValueBlock<Io, R, 3>(s, n, i0, pv, table, P, K,
+                                                                 kv, h, c0, out);
+            return;
+    default: if constexpr (kVecs >= 4) return ValueBlock<Io, R, 4>(s, n, i0, pv, table, P, K,
+                                                                  kv, h, c0, out);
+  }
+}
+template <typename Io>
+void Values(int rows, int cv, const float* s, int64_t n, int64_t i0, const typename Io::T* pv,
+            const int32_t* table, int64_t P, int64_t K, int64_t kv, int64_t h, int64_t c0,
+            float* out) {
+  switch (rows) {
+    case 1: return ValueRows<Io, 1>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
+    case 2: return ValueRows<Io, 2>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
+    case 3: return ValueRows<Io, 3>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
+    default: return ValueRows<Io, 4>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
+  }
+}
 
 struct Dims {
   int64_t B, T, H, h, N, K, P, W;   // W: pages per row in the page table
@@ -142,16 +258,27 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
     // scores[i, :n] = q_i . k[:, :n], by axpys over each page's contiguous key rows. Page by
     // page (its h x P keys stay in cache), each score still sums over c in order: the same
     // float32 result whatever the page size.
-    std::fill(s, s + m * n, 0.0f);
+    // Whole vectors of slots go through the register blocks (ScoreBlock), the last few slots
+    // of a page through the plain loop; both sum in the same order.
     for (int64_t w = 0; w * P < n; ++w) {
       const int64_t j0 = w * P, len = std::min<int64_t>(P, n - j0);
       const typename Io::T* kb = pk + (static_cast<int64_t>(table[w]) * K + kv) * h * P;
+      const int64_t whole = len / kLanes * kLanes;
+      for (int64_t jb = 0; jb < whole; jb += kVecs * kLanes) {
+        const int nv = static_cast<int>(std::min<int64_t>(kVecs, (whole - jb) / kLanes));
+        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+          Scores<Io>(static_cast<int>(std::min<int64_t>(kRows, m - i0)), nv, qs, h, kb + jb, P,
+                     s + j0 + jb, n, i0);
+        }
+      }
+      for (int64_t i = 0; i < m; ++i) std::fill(s + i * n + j0 + whole, s + i * n + j0 + len,
+                                                0.0f);
       for (int64_t c = 0; c < h; ++c) {
         const typename Io::T* krow = kb + c * P;
         for (int64_t i = 0; i < m; ++i) {
           const float qc = qs[i * h + c];
           float* si = s + i * n + j0;
-          for (int64_t j = 0; j < len; ++j) si[j] += qc * Io::Load(krow, j);
+          for (int64_t j = whole; j < len; ++j) si[j] += qc * Io::Load(krow, j);
         }
       }
     }
@@ -173,14 +300,24 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
     // out[i] = sum_j p[i, j] v[j]: slot-major, so each value row is read from memory once for
     // all m query rows of the group, not once per query head.
     float* acc = Scratch(tls_acc, m * h);
-    std::fill(acc, acc + m * h, 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const typename Io::T* vrow =
-          pv + ((static_cast<int64_t>(table[j / P]) * K + kv) * P + j % P) * h;
-      for (int64_t i = 0; i < m; ++i) {
-        const float p = s[i * n + j];
-        float* ai = acc + i * h;
-        for (int64_t c = 0; c < h; ++c) ai[c] += p * Io::Load(vrow, c);
+    if (h % kLanes == 0) {
+      for (int64_t c0 = 0; c0 < h; c0 += kVecs * kLanes) {
+        const int cv = static_cast<int>(std::min<int64_t>(kVecs, (h - c0) / kLanes));
+        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+          Values<Io>(static_cast<int>(std::min<int64_t>(kRows, m - i0)), cv, s, n, i0, pv,
+                     table, P, K, kv, h, c0, acc);
+        }
+      }
+    } else {   // a head dimension of no whole vectors: the plain loop, in the same order
+      std::fill(acc, acc + m * h, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const typename Io::T* vrow =
+            pv + ((static_cast<int64_t>(table[j / P]) * K + kv) * P + j % P) * h;
+        for (int64_t i = 0; i < m; ++i) {
+          const float p = s[i * n + j];
+          float* ai = acc + i * h;
+          for (int64_t c = 0; c < h; ++c) ai[c] += p * Io::Load(vrow, c);
+        }
       }
     }
     for (int64_t i = 0; i < m; ++i) {
