@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -128,53 +129,18 @@ inline void ValueBlock(const float* s, int64_t n, int64_t i0, const typename Io:
   }
 }
 
-// The blocks above for R rows (1..kRows) and a count of vectors (1..kVecs) known at run time.
-template <typename Io, int R>
-void ScoreRows(int nv, const float* qs, int64_t h, const typename Io::T* kb, int64_t P,
-               float* s, int64_t n, int64_t i0) {
-  static_assert(kVecs == 2 || kVecs == 4);
-  switch (nv) {
-    case 1: return ScoreBlock<Io, R, 1>(qs, h, kb, P, s, n, i0);
-    case 2: return ScoreBlock<Io, R, 2>(qs, h, kb, P, s, n, i0);
-    case 3: if constexpr (kVecs >= 3) return ScoreBlock<Io, R, 3>(qs, h, kb, P, s, n, i0);
-            return;
-    default: if constexpr (kVecs >= 4) return ScoreBlock<Io, R, 4>(qs, h, kb, P, s, n, i0);
+// Calls f(integral_constant R, integral_constant V) for the block shape known at run time,
+// rows in 1..kRows and vectors in 1..kVecs: the blocks' sizes must be compile-time constants
+// for their accumulators to stay in registers.
+template <int R = 1, int V = 1, typename F>
+inline void WithBlock(int rows, int vecs, F&& f) {
+  if constexpr (R < kRows) {
+    if (rows > R) return WithBlock<R + 1, V>(rows, vecs, f);
   }
-}
-template <typename Io>
-void Scores(int rows, int nv, const float* qs, int64_t h, const typename Io::T* kb, int64_t P,
-            float* s, int64_t n, int64_t i0) {
-  switch (rows) {
-    case 1: return ScoreRows<Io, 1>(nv, qs, h, kb, P, s, n, i0);
-    case 2: return ScoreRows<Io, 2>(nv, qs, h, kb, P, s, n, i0);
-    case 3: return ScoreRows<Io, 3>(nv, qs, h, kb, P, s, n, i0);
-    default: return ScoreRows<Io, 4>(nv, qs, h, kb, P, s, n, i0);
+  if constexpr (V < kVecs) {
+    if (vecs > V) return WithBlock<R, V + 1>(rows, vecs, f);
   }
-}
-template <typename Io, int R>
-void ValueRows(int cv, const float* s, int64_t n, int64_t i0, const typename Io::T* pv,
-               const int32_t* table, int64_t P, int64_t K, int64_t kv, int64_t h, int64_t c0,
-               float* out) {
-  switch (cv) {
-    case 1: return ValueBlock<Io, R, 1>(s, n, i0, pv, table, P, K, kv, h, c0, out);
-    case 2: return ValueBlock<Io, R, 2>(s, n, i0, pv, table, P, K, kv, h, c0, out);
-    case 3: if constexpr (kVecs >= 3) return ValueBlock<Io, R, 3>(s, n, i0, pv, table, P, K,
-                                                                 kv, h, c0, out);
-            return;
-    default: if constexpr (kVecs >= 4) return ValueBlock<Io, R, 4>(s, n, i0, pv, table, P, K,
-                                                                  kv, h, c0, out);
-  }
-}
-template <typename Io>
-void Values(int rows, int cv, const float* s, int64_t n, int64_t i0, const typename Io::T* pv,
-            const int32_t* table, int64_t P, int64_t K, int64_t kv, int64_t h, int64_t c0,
-            float* out) {
-  switch (rows) {
-    case 1: return ValueRows<Io, 1>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
-    case 2: return ValueRows<Io, 2>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
-    case 3: return ValueRows<Io, 3>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
-    default: return ValueRows<Io, 4>(cv, s, n, i0, pv, table, P, K, kv, h, c0, out);
-  }
+  f(std::integral_constant<int, R>{}, std::integral_constant<int, V>{});
 }
 
 struct Dims {
@@ -267,10 +233,13 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
       for (int64_t jb = 0; jb < whole; jb += kVecs * kLanes) {
         const int nv = static_cast<int>(std::min<int64_t>(kVecs, (whole - jb) / kLanes));
         for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-          Scores<Io>(static_cast<int>(std::min<int64_t>(kRows, m - i0)), nv, qs, h, kb + jb, P,
-                     s + j0 + jb, n, i0);
+          WithBlock(static_cast<int>(std::min<int64_t>(kRows, m - i0)), nv, [&](auto R, auto V) {
+            ScoreBlock<Io, decltype(R)::value, decltype(V)::value>(qs, h, kb + jb, P,
+                                                                   s + j0 + jb, n, i0);
+          });
         }
       }
+      if (whole == len) continue;
       for (int64_t i = 0; i < m; ++i) std::fill(s + i * n + j0 + whole, s + i * n + j0 + len,
                                                 0.0f);
       for (int64_t c = 0; c < h; ++c) {
@@ -304,8 +273,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const Dims& d, const typename Io::T* pq,
       for (int64_t c0 = 0; c0 < h; c0 += kVecs * kLanes) {
         const int cv = static_cast<int>(std::min<int64_t>(kVecs, (h - c0) / kLanes));
         for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-          Values<Io>(static_cast<int>(std::min<int64_t>(kRows, m - i0)), cv, s, n, i0, pv,
-                     table, P, K, kv, h, c0, acc);
+          WithBlock(static_cast<int>(std::min<int64_t>(kRows, m - i0)), cv, [&](auto R, auto V) {
+            ValueBlock<Io, decltype(R)::value, decltype(V)::value>(s, n, i0, pv, table, P, K, kv,
+                                                                   h, c0, acc);
+          });
         }
       }
     } else {   // a head dimension of no whole vectors: the plain loop, in the same order
